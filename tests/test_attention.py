@@ -1,0 +1,96 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tformer_cli.model.attention import (
+    KVCache, MultiHeadAttention, causal_mask, padding_mask, scaled_dot_product_attention)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 5, 8), (1, 1, 7, 16), (3, 2, 1, 4)])
+@pytest.mark.parametrize("masked", ["none", "padding", "causal"])
+def test_sdpa_matches_torch_reference_on_both_paths(shape, masked):
+    B, H, T, d = shape
+    q, k, v = (torch.randn(B, H, T, d) for _ in range(3))
+    mask, is_causal = None, False
+    if masked == "padding":
+        tokens = torch.randint(1, 9, (B, T))
+        tokens[0, T // 2 + 1:] = 0
+        mask = padding_mask(tokens, 0)
+    elif masked == "causal":
+        is_causal = True
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+    fast, none = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal)
+    explicit, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, need_weights=True)
+    assert none is None
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(explicit, reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, T))
+
+
+def test_additive_mask_equals_boolean_mask():
+    q, k, v = (torch.randn(2, 2, 4, 8) for _ in range(3))
+    keep = torch.tensor([True, True, False, True])
+    additive = torch.zeros(4).masked_fill(~keep, float("-inf"))
+    out_bool, w_bool = scaled_dot_product_attention(q, k, v, keep, need_weights=True)
+    out_add, w_add = scaled_dot_product_attention(q, k, v, additive, need_weights=True)
+    torch.testing.assert_close(out_bool, out_add)
+    assert torch.all(w_bool[..., 2] == 0)
+
+
+def test_causal_weights_are_zero_above_the_diagonal():
+    q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
+    _, weights = scaled_dot_product_attention(q, k, v, is_causal=True, need_weights=True)
+    assert torch.all(weights.triu(diagonal=1) == 0)
+    assert torch.equal(causal_mask(3), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool))
+
+
+def _copy_into_torch_mha(ours: MultiHeadAttention, d_model: int, num_heads: int) -> nn.MultiheadAttention:
+    ref = nn.MultiheadAttention(d_model, num_heads, batch_first=True)
+    with torch.no_grad():
+        if ours.cross:
+            ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.kv_proj.weight]))
+            ref.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.kv_proj.bias]))
+        else:
+            ref.in_proj_weight.copy_(ours.qkv_proj.weight)
+            ref.in_proj_bias.copy_(ours.qkv_proj.bias)
+        ref.out_proj.weight.copy_(ours.out_proj.weight)
+        ref.out_proj.bias.copy_(ours.out_proj.bias)
+    return ref.eval()
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_self_attention_matches_nn_multihead_attention(need_weights):
+    d_model, H = 32, 4
+    ours = MultiHeadAttention(d_model, H).eval()
+    ref = _copy_into_torch_mha(ours, d_model, H)
+    x = torch.randn(3, 7, d_model)
+    tokens = torch.randint(1, 5, (3, 7))
+    tokens[1, 4:] = 0
+    out, weights = ours(x, mask=padding_mask(tokens, 0), need_weights=need_weights)
+    expected, expected_w = ref(x, x, x, key_padding_mask=tokens == 0, average_attn_weights=False)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if need_weights:
+        torch.testing.assert_close(weights, expected_w, atol=1e-5, rtol=1e-5)
+
+
+def test_cross_attention_matches_nn_multihead_attention():
+    d_model, H = 24, 3
+    ours = MultiHeadAttention(d_model, H, cross=True).eval()
+    ref = _copy_into_torch_mha(ours, d_model, H)
+    x, memory = torch.randn(2, 5, d_model), torch.randn(2, 9, d_model)
+    out, _ = ours(x, memory=memory)
+    expected, _ = ref(x, memory, memory)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_grows_and_returns_all_keys_in_order():
+    cache = KVCache(capacity=2)
+    keys = [torch.randn(2, 3, 1, 4) for _ in range(5)]
+    for key in keys:
+        k, v = cache.append(key, key * 2)
+    torch.testing.assert_close(k, torch.cat(keys, dim=2))
+    torch.testing.assert_close(v, torch.cat(keys, dim=2) * 2)
+    assert cache.k.shape[2] >= 5 and cache.length == 5
+    cache.select(torch.tensor([1, 1]))
+    assert torch.equal(cache.k[0, :, :5], cache.k[1, :, :5])

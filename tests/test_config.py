@@ -1,0 +1,80 @@
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tformer_cli.cli import app
+from tformer_cli.config import load_config, to_yaml
+from tformer_cli.errors import ConfigError
+from tformer_cli.model import build_model
+
+CONFIGS = sorted(Path("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_builds(path):
+    import torch
+
+    cfg = load_config(path)
+    assert path.read_text().startswith("# tformer ")  # each config opens with the command that runs it
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.data.vocab_size)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_base_config_is_the_papers_base_model():
+    cfg = load_config("configs/base.yaml")
+    m, t = cfg.model, cfg.train
+    assert (m.d_model, m.num_heads, m.num_encoder_layers, m.d_ff, m.dropout) == (512, 8, 6, 2048, 0.1)
+    assert (t.betas, t.eps, t.warmup_steps, t.label_smoothing, t.schedule) == ([0.9, 0.98], 1e-9, 4000, 0.1, "noam")
+    big = load_config("configs/big.yaml").model
+    assert (big.d_model, big.num_heads, big.d_ff, big.dropout, big.num_encoder_layers) == (1024, 16, 4096, 0.3, 6)
+
+
+def test_overrides_are_typed_by_the_schema():
+    cfg = load_config("configs/small.yaml", ["train.lr=3e-4", "model.d_model=128", "train.max_time=60"])
+    assert cfg.train.lr == 3e-4 and cfg.model.d_model == 128 and cfg.train.max_time == 60.0
+    assert isinstance(cfg.train.max_time, float)
+    with pytest.raises(ConfigError, match=r"train.lr: expected a number, got 'fast'"):
+        load_config("configs/small.yaml", ["train.lr=fast"])
+
+
+def test_all_mistakes_are_reported_together(tmp_path):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("model:\n  d_model: 500\n  num_head: 3\ntrain:\n  lr: -1\n  schedule: cosin\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    lines = str(info.value).splitlines()
+    assert f"{bad}: model.num_head: unknown key; did you mean 'num_heads'?" in lines
+    assert f"{bad}: train.schedule: must be one of 'noam', 'inverse_sqrt', 'cosine', 'constant', got 'cosin'; did you mean 'cosine'?" in lines
+    # the type errors stop before value checks, then values are checked once types are right
+    bad.write_text("model:\n  d_model: 500\ntrain:\n  lr: -1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    lines = str(info.value).splitlines()
+    assert f"{bad}: model.num_heads: d_model 500 is not divisible by num_heads 8" in lines
+    assert f"{bad}: train.lr: must be > 0, got -1.0" in lines
+
+
+def test_extends_merges_sections_and_round_trips(tmp_path):
+    child = tmp_path / "child.yaml"
+    (tmp_path / "parent.yaml").write_text("model:\n  d_model: 64\n  num_heads: 2\ntrain:\n  lr: 0.5\n")
+    child.write_text("extends: parent.yaml\nmodel:\n  num_heads: 4\n")
+    cfg = load_config(child)
+    assert (cfg.model.d_model, cfg.model.num_heads, cfg.train.lr, cfg.model.d_ff) == (64, 4, 0.5, 256)
+    again = tmp_path / "again.yaml"
+    again.write_text(to_yaml(cfg))
+    assert load_config(again).model == cfg.model
+
+
+def test_bad_config_through_the_cli_is_one_line_per_mistake_and_exit_1(tmp_path):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("model:\n  d_model: 500\n")
+    result = CliRunner().invoke(app, ["count-params", str(bad)])
+    assert result.exit_code == 1
+    assert f"error: {bad}: model.num_heads: d_model 500 is not divisible by num_heads 8" in result.output
+    assert "Traceback" not in result.output
+    missing = CliRunner().invoke(app, ["count-params", str(tmp_path / "nope.yaml")])
+    assert missing.exit_code == 1 and "config file not found" in missing.output
+    debug = CliRunner().invoke(app, ["--debug", "count-params", str(bad)])
+    assert isinstance(debug.exception, ConfigError)

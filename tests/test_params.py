@@ -1,0 +1,52 @@
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from tformer_cli.cli import app
+from tformer_cli.config import ModelConfig
+from tformer_cli.model import build_model
+from tformer_cli.params import parameter_rows, total_params
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    heads=st.integers(1, 4), head_dim=st.sampled_from([2, 4, 6]), enc=st.integers(1, 3), dec=st.integers(1, 3),
+    d_ff=st.integers(1, 40), vocab=st.integers(16, 300), tgt_vocab=st.integers(16, 300),
+    share=st.sampled_from(["all", "decoder", "none"]), norm=st.sampled_from(["post", "pre"]),
+    positional=st.sampled_from(["sinusoidal", "learned", "rope", "alibi"]),
+)
+def test_formula_equals_the_built_model(heads, head_dim, enc, dec, d_ff, vocab, tgt_vocab, share, norm, positional):
+    cfg = ModelConfig(d_model=heads * head_dim, num_heads=heads, num_encoder_layers=enc, num_decoder_layers=dec,
+                      d_ff=d_ff, share_embeddings=share, norm=norm, positional=positional, max_len=32)
+    tgt_vocab = vocab if share == "all" else tgt_vocab
+    model = build_model(cfg, vocab, tgt_vocab)
+    actual = sum(p.numel() for p in model.parameters())
+    assert total_params(cfg, vocab, tgt_vocab) == actual
+    rows = parameter_rows(cfg, vocab, tgt_vocab)
+    assert all(r.agrees for r in rows)
+    assert sum(r.model for r in rows) == actual
+
+
+def test_count_params_base_is_about_63m_and_json_parses():
+    result = CliRunner().invoke(app, ["count-params", "--d-model", "512", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["totals"]["model"] == data["totals"]["formula"] == 63_082_496
+    assert data["paper_layer_params"] == 4 * 512**2 + 2 * 512 * 2048
+
+
+def test_count_params_table_and_big_config():
+    runner = CliRunner()
+    table = runner.invoke(app, ["count-params", "--d-model", "256", "--layers", "3", "--heads", "4"])
+    assert table.exit_code == 0 and "encoder FFN" in table.output and "✓" in table.output
+    big = json.loads(runner.invoke(app, ["count-params", "configs/big.yaml", "--json"]).output)
+    assert 200e6 < big["totals"]["model"] < 220e6
+
+
+def test_count_params_bad_flags_give_one_line_errors():
+    result = CliRunner().invoke(app, ["count-params", "--d-model", "500"])
+    assert result.exit_code == 1
+    assert "model.num_heads: d_model 500 is not divisible by num_heads 8" in result.output
+    assert "Traceback" not in result.output

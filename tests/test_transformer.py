@@ -1,0 +1,144 @@
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_model_config
+from tformer_cli.model import build_model
+from tformer_cli.model.transformer import Transformer
+
+VOCAB = 50
+POSITIONALS = ["sinusoidal", "learned", "rope", "alibi"]
+
+
+def _copy_attention(ours, ref_mha):
+    with torch.no_grad():
+        if ours.cross:
+            ref_mha.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.kv_proj.weight]))
+            ref_mha.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.kv_proj.bias]))
+        else:
+            ref_mha.in_proj_weight.copy_(ours.qkv_proj.weight)
+            ref_mha.in_proj_bias.copy_(ours.qkv_proj.bias)
+        ref_mha.out_proj.weight.copy_(ours.out_proj.weight)
+        ref_mha.out_proj.bias.copy_(ours.out_proj.bias)
+
+
+def _copy_common(ours, ref):
+    with torch.no_grad():
+        ref.linear1.load_state_dict(ours.ffn.linear1.state_dict())
+        ref.linear2.load_state_dict(ours.ffn.linear2.state_dict())
+        ref.norm1.load_state_dict(ours.norm1.state_dict())
+        ref.norm2.load_state_dict(ours.norm2.state_dict())
+
+
+def _reference_transformer(model: Transformer, cfg) -> nn.Transformer:
+    ref = nn.Transformer(cfg.d_model, cfg.num_heads, cfg.num_encoder_layers, cfg.num_decoder_layers, cfg.d_ff,
+                         dropout=0.0, batch_first=True)
+    # nn.Transformer ends each stack with a LayerNorm even in post-LN mode; the paper does not.
+    ref.encoder.norm = nn.Identity()
+    ref.decoder.norm = nn.Identity()
+    for ours, theirs in zip(model.encoder.layers, ref.encoder.layers):
+        _copy_attention(ours.self_attn, theirs.self_attn)
+        _copy_common(ours, theirs)
+    for ours, theirs in zip(model.decoder.layers, ref.decoder.layers):
+        _copy_attention(ours.self_attn, theirs.self_attn)
+        _copy_attention(ours.cross_attn, theirs.multihead_attn)
+        _copy_common(ours, theirs)
+        theirs.norm3.load_state_dict(ours.norm3.state_dict())
+    return ref.eval()
+
+
+def _batch(B=3, S=9, T=7):
+    src = torch.randint(3, VOCAB, (B, S))
+    tgt = torch.randint(3, VOCAB, (B, T))
+    src[1, 6:] = 0  # padding
+    tgt[2, 5:] = 0
+    return src, tgt
+
+
+def test_full_model_equals_nn_transformer_with_copied_weights():
+    cfg = tiny_model_config(share_embeddings="none")
+    model = build_model(cfg, VOCAB, VOCAB).eval()
+    ref = _reference_transformer(model, cfg)
+    src, tgt = _batch()
+    with torch.no_grad():
+        src_x = model.encoder.embed(src)
+        tgt_x = model.decoder.embed(tgt)
+        T = tgt.shape[1]
+        out = ref(src_x, tgt_x, tgt_mask=nn.Transformer.generate_square_subsequent_mask(T),
+                  src_key_padding_mask=src == 0, memory_key_padding_mask=src == 0)
+        expected = model.output_proj(out)
+        logits = model(src, tgt)
+    real = tgt != 0
+    torch.testing.assert_close(logits[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("positional", POSITIONALS)
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_changing_a_future_target_token_leaves_earlier_outputs_unchanged(positional, norm):
+    model = build_model(tiny_model_config(positional=positional, norm=norm), VOCAB).eval()
+    src, tgt = _batch()
+    changed = tgt.clone()
+    changed[:, 4] = (changed[:, 4] + 1) % VOCAB + 3
+    with torch.no_grad():
+        a, b = model(src, tgt), model(src, changed)
+    torch.testing.assert_close(a[:, :4], b[:, :4], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a[:, 4:], b[:, 4:])
+
+
+@pytest.mark.parametrize("positional", POSITIONALS)
+def test_padding_leaves_outputs_at_real_positions_unchanged(positional):
+    model = build_model(tiny_model_config(positional=positional), VOCAB).eval()
+    src, tgt = torch.randint(3, VOCAB, (2, 6)), torch.randint(3, VOCAB, (2, 5))
+    padded_src = torch.cat([src, torch.zeros(2, 4, dtype=torch.long)], dim=1)
+    padded_tgt = torch.cat([tgt, torch.zeros(2, 3, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        memory = model.encode(src).memory
+        padded_memory = model.encode(padded_src).memory
+        logits = model(src, tgt)
+        padded_logits = model(padded_src, padded_tgt)
+    torch.testing.assert_close(padded_memory[:, :6], memory, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded_logits[:, :5], logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("positional", POSITIONALS)
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_cached_incremental_decoding_equals_full_recomputation(positional, norm):
+    model = build_model(tiny_model_config(positional=positional, norm=norm), VOCAB).eval()
+    src, tgt = _batch()
+    with torch.no_grad():
+        encoded = model.encode(src)
+        full = model.logits(model.decode(tgt, encoded).hidden)
+        cache = model.start_cache(encoded, capacity=2)  # small: forces the cache to grow
+        steps = [model.logits(model.decode(tgt[:, t:t + 1], encoded, cache).hidden) for t in range(tgt.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_embeddings_are_one_matrix_and_scaled_init():
+    model = build_model(tiny_model_config(share_embeddings="all"), VOCAB)
+    weight = model.encoder.embed.embedding.weight
+    assert weight is model.decoder.embed.embedding.weight is model.output_proj.weight
+    assert 0.5 < weight[1:].std().item() * 32 ** 0.5 < 1.5
+    untied = build_model(tiny_model_config(share_embeddings="none"), VOCAB)
+    assert untied.output_proj.weight is not untied.decoder.embed.embedding.weight
+
+
+def test_attention_weights_are_returned_on_request():
+    model = build_model(tiny_model_config(), VOCAB).eval()
+    src, tgt = _batch()
+    encoded = model.encode(src, need_weights=True)
+    decoded = model.decode(tgt, encoded, need_weights=True)
+    assert len(encoded.attention) == 2 and encoded.attention[0].shape == (3, 4, 9, 9)
+    assert decoded.self_attention[0].shape == (3, 4, 7, 7)
+    assert decoded.cross_attention[1].shape == (3, 4, 7, 9)
+    assert torch.all(encoded.attention[0][1, :, :, 6:] == 0)  # padding keys get no weight
+    assert torch.all(decoded.self_attention[0].triu(1) == 0)
+    assert model.encode(src).attention is None
+
+
+def test_gelu_and_prenorm_build_and_train_a_step():
+    model = build_model(tiny_model_config(activation="gelu", norm="pre"), VOCAB)
+    src, tgt = _batch()
+    loss = model(src, tgt).logsumexp(-1).mean()
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert isinstance(model.encoder.final_norm, nn.LayerNorm)

@@ -1,0 +1,371 @@
+"""Typed configuration: one dataclass per YAML section, validated once at load time.
+
+A config file has the sections ``model``, ``data``, ``train`` and ``decode``; any key may be
+overridden from the command line as ``--set section.key=value`` (the value is parsed as YAML).
+A file may start from another with ``extends: other.yaml`` (resolved relative to the file).
+Every mistake in a file is reported together, one line each, with its key path.
+
+This module must not import torch: ``tformer --help`` and config checks stay instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from tformer_cli.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """The network (paper §3). ``d_ff`` defaults to 4 * d_model."""
+
+    d_model: int = 512
+    num_heads: int = 8
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_ff: Optional[int] = None
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation: Literal["relu", "gelu"] = "relu"
+    norm: Literal["post", "pre"] = "post"
+    positional: Literal["sinusoidal", "learned", "rope", "alibi"] = "sinusoidal"
+    max_len: int = 512
+    # "all": source, target and output share one matrix (needs a joint vocabulary);
+    # "decoder": target embedding and output projection only; "none": three matrices.
+    share_embeddings: Literal["all", "decoder", "none"] = "all"
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+
+
+@dataclass
+class DataConfig:
+    """Where the parallel text comes from and how it is tokenised."""
+
+    dataset: Optional[str] = "bentrevett/multi30k"  # hub id or local dataset folder
+    data_files: Optional[dict[str, Any]] = None  # split -> file(s); overrides `dataset`
+    format: Literal["auto", "json", "csv", "parquet", "text"] = "auto"
+    source: str = "de"  # field name; dotted for nested fields, e.g. translation.de
+    target: str = "en"
+    train_split: str = "train"
+    validation_split: Optional[str] = "validation"
+    test_split: Optional[str] = "test"
+    max_samples: Optional[int] = None
+    max_length: int = 256  # tokens per side, BOS/EOS included
+    long_pairs: Literal["drop", "truncate"] = "drop"
+    vocab_size: int = 37000
+    joint_vocab: bool = True
+    min_frequency: int = 2
+    lowercase: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, schedule, stopping, evaluation and checkpointing."""
+
+    output_dir: Optional[str] = None  # default runs/<config name>
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    compile: bool = False
+    max_tokens: int = 4096  # padded tokens (source or target, the larger) per batch
+    grad_accum: int = 1
+    optimizer: Literal["adam", "adamw"] = "adam"
+    # With schedule "noam", lr is the scale factor of d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
+    # otherwise it is the peak learning rate.
+    lr: float = 1.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    schedule: Literal["noam", "inverse_sqrt", "cosine", "constant"] = "noam"
+    warmup_steps: int = 4000
+    min_lr: float = 0.0
+    label_smoothing: float = 0.1
+    clip_grad_norm: Optional[float] = 1.0
+    max_steps: Optional[int] = 100000
+    epochs: Optional[int] = None
+    max_time: Optional[float] = None  # seconds of training before stopping
+    log_every: int = 50
+    eval_every: int = 1000
+    eval_bleu: bool = True
+    eval_max_sentences: int = 500
+    best_metric: Literal["loss", "bleu"] = "loss"
+    patience: Optional[int] = None  # evaluations without improvement before stopping
+    keep_last: int = 3
+
+
+@dataclass
+class DecodeConfig:
+    """Defaults for `generate` and `eval`; every one can be given as a flag too."""
+
+    beam_size: int = 4
+    length_penalty: float = 0.6  # GNMT alpha
+    max_len_a: float = 1.2  # output length limit: a * source_length + b
+    max_len_b: int = 10
+    batch_size: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    name: str = "config"
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "decode": DecodeConfig}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (following ``extends``), apply ``section.key=value`` overrides, validate.
+
+    Raises:
+        ConfigError: listing every mistake, one line each, prefixed by the file name.
+    """
+    raw: dict[str, Any] = {}
+    source = "command line"
+    if path is not None:
+        path = Path(path)
+        raw = _read_yaml(path, seen=())
+        source = str(path)
+    errors: list[str] = []
+    for item in overrides or []:
+        _apply_override(raw, item, errors)
+    config = _build(raw, errors)
+    if config is not None:
+        config.name = Path(path).stem if path is not None else "config"
+        errors += validate(config)
+    if errors:
+        raise ConfigError("\n".join(f"{source}: {e}" for e in errors))
+    return config
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
+    """Build and validate a Config from a plain dict (e.g. a run folder's saved config)."""
+    errors: list[str] = []
+    config = _build(dict(raw), errors)
+    if config is not None:
+        errors += validate(config)
+    if errors:
+        raise ConfigError("\n".join(f"{source}: {e}" for e in errors))
+    return config
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return {name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found; pass an existing YAML file such as configs/base.yaml")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: 'extends' forms a cycle; remove one of the extends lines")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (model, data, train, decode)")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    base = _read_yaml(path.parent / parent, seen + (path.resolve(),))
+    return _merge(base, data)
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key in SECTIONS:
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        errors.append(f"--set {item!r}: expected section.key=value, e.g. --set train.lr=3e-4")
+        return
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    section = raw.setdefault(parts[0], {})
+    if isinstance(section, dict):
+        section[parts[1]] = value
+
+
+def _suggest(name: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _build(raw: dict[str, Any], errors: list[str]) -> Config | None:
+    sections: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in SECTIONS:
+            errors.append(f"unknown section '{name}'{_suggest(name, SECTIONS)} (sections: {', '.join(SECTIONS)})")
+            continue
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            errors.append(f"{name}: expected a mapping of keys, got {type(value).__name__}")
+            continue
+        sections[name] = _build_section(name, SECTIONS[name], value, errors)
+    if errors:
+        return None
+    return Config(**{name: sections.get(name, cls()) for name, cls in SECTIONS.items()})
+
+
+def _build_section(name: str, cls: type, values: dict[str, Any], errors: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            errors.append(f"{name}.{key}: unknown key{_suggest(key, fields)}")
+            continue
+        problem, value = _check_type(value, hints[key])
+        if problem:
+            errors.append(f"{name}.{key}: {problem}")
+            continue
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
+    """Return (problem or None, value coerced to the hint, e.g. int -> float)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None, None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(value, inner[0]) if len(inner) == 1 else (None, value)
+    if origin is Literal:
+        if value in args:
+            return None, value
+        return f"must be one of {', '.join(map(repr, args))}, got {value!r}{_suggest(str(value), map(str, args))}", value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return f"expected a list, got {value!r}", value
+        checked = [_check_type(v, args[0]) for v in value]
+        problems = [p for p, _ in checked if p]
+        return (problems[0] if problems else None), [v for _, v in checked]
+    if origin is dict:
+        return (None, value) if isinstance(value, dict) else (f"expected a mapping, got {value!r}", value)
+    if hint is bool:
+        return (None, value) if isinstance(value, bool) else (f"expected true or false, got {value!r}", value)
+    if hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return (None, value) if ok else (f"expected an integer, got {value!r}", value)
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None, float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return None, float(value)
+            except ValueError:
+                pass
+        return f"expected a number, got {value!r}", value
+    if hint is str:
+        return (None, value) if isinstance(value, str) else (f"expected a string, got {value!r}", value)
+    return None, value
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation of values (types are already right)
+# ---------------------------------------------------------------------------------------------
+
+
+def validate(config: Config) -> list[str]:
+    """Return one message per invalid value, each naming its key path and the fix."""
+    m, d, t, dec = config.model, config.data, config.train, config.decode
+    errors: list[str] = []
+
+    def need(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            errors.append(f"{key}: {message}")
+
+    for key in ("d_model", "num_heads", "d_ff", "max_len"):
+        need(getattr(m, key) > 0, f"model.{key}", f"must be > 0, got {getattr(m, key)}")
+    for key in ("num_encoder_layers", "num_decoder_layers"):
+        need(getattr(m, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(m, key)}")
+    if m.d_model > 0 and m.num_heads > 0:
+        need(m.d_model % m.num_heads == 0, "model.num_heads",
+             f"d_model {m.d_model} is not divisible by num_heads {m.num_heads}")
+        if m.positional == "rope" and m.d_model % m.num_heads == 0:
+            need((m.d_model // m.num_heads) % 2 == 0, "model.positional",
+                 f"rope needs an even head size, got d_model/num_heads = {m.d_model // m.num_heads}")
+    for key in ("dropout", "attention_dropout"):
+        need(0.0 <= getattr(m, key) < 1.0, f"model.{key}", f"must be in [0, 1), got {getattr(m, key)}")
+    need(m.layer_norm_eps > 0, "model.layer_norm_eps", f"must be > 0, got {m.layer_norm_eps}")
+
+    need(bool(d.dataset) or bool(d.data_files), "data.dataset",
+         "set data.dataset (hub id or folder) or data.data_files (split -> files)")
+    need(d.max_samples is None or d.max_samples > 0, "data.max_samples", f"must be > 0, got {d.max_samples}")
+    need(d.max_length >= 3, "data.max_length", f"must be >= 3 (BOS, a token, EOS), got {d.max_length}")
+    need(d.max_length <= m.max_len, "data.max_length",
+         f"{d.max_length} exceeds model.max_len {m.max_len}; lower it or raise model.max_len")
+    need(d.vocab_size >= 16, "data.vocab_size", f"must be >= 16, got {d.vocab_size}")
+    need(d.joint_vocab or m.share_embeddings != "all", "model.share_embeddings",
+         "'all' needs data.joint_vocab: true; use 'decoder' with separate vocabularies")
+
+    need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas",
+         f"must be two numbers in [0, 1), got {t.betas}")
+    need(t.eps > 0, "train.eps", f"must be > 0, got {t.eps}")
+    need(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    need(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    need(t.schedule != "noam" or t.warmup_steps > 0, "train.warmup_steps", "the noam schedule needs warmup_steps > 0")
+    need(0.0 <= t.label_smoothing < 1.0, "train.label_smoothing", f"must be in [0, 1), got {t.label_smoothing}")
+    need(t.clip_grad_norm is None or t.clip_grad_norm > 0, "train.clip_grad_norm",
+         f"must be > 0 or null, got {t.clip_grad_norm}")
+    need(t.max_tokens >= d.max_length, "train.max_tokens",
+         f"{t.max_tokens} is smaller than one sequence (data.max_length {d.max_length}); raise it")
+    for key in ("grad_accum", "log_every", "eval_every", "keep_last", "eval_max_sentences"):
+        need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
+    for key in ("max_steps", "epochs", "max_time", "patience"):
+        value = getattr(t, key)
+        need(value is None or value > 0, f"train.{key}", f"must be > 0 or null, got {value}")
+    need(t.max_steps is not None or t.epochs is not None or t.max_time is not None, "train.max_steps",
+         "set at least one of train.max_steps, train.epochs or train.max_time so training can stop")
+    need(t.schedule != "cosine" or t.max_steps is not None, "train.schedule",
+         "cosine decays to train.max_steps; set train.max_steps")
+
+    need(dec.beam_size >= 1, "decode.beam_size", f"must be >= 1, got {dec.beam_size}")
+    need(dec.batch_size >= 1, "decode.batch_size", f"must be >= 1, got {dec.batch_size}")
+    need(dec.temperature >= 0, "decode.temperature", f"must be >= 0, got {dec.temperature}")
+    need(dec.top_k >= 0, "decode.top_k", f"must be >= 0, got {dec.top_k}")
+    need(0 < dec.top_p <= 1, "decode.top_p", f"must be in (0, 1], got {dec.top_p}")
+    need(dec.max_len_a >= 0 and dec.max_len_b >= 0, "decode.max_len_a",
+         "max_len_a and max_len_b must be >= 0")
+    return errors

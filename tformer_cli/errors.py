@@ -1,0 +1,21 @@
+"""User-facing errors: each message says what was wrong and how to fix it, in one line."""
+
+
+class TformerError(Exception):
+    """Base class for mistakes a user can fix; the CLI prints the message without a traceback."""
+
+
+class ConfigError(TformerError):
+    """A config file or override is invalid. One line per mistake."""
+
+
+class DataError(TformerError):
+    """A dataset could not be found, loaded or used as configured."""
+
+
+class CheckpointError(TformerError):
+    """A run folder or checkpoint is missing, incomplete or incompatible."""
+
+
+class UsageError(TformerError):
+    """A command-line argument is out of range or inconsistent."""

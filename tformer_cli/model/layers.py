@@ -1,0 +1,152 @@
+"""Position-wise FFN (§3.3), embeddings (§3.4), positional encoding (§3.5), and the two layer kinds.
+
+Each sublayer is wrapped as LayerNorm(x + Dropout(Sublayer(x))) (post-LN, the paper's §5.4) or,
+as an option, x + Dropout(Sublayer(LayerNorm(x))) (pre-LN; the stack then ends with a LayerNorm).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tformer_cli.model.attention import KVCache, MultiHeadAttention, RotaryEmbedding
+
+
+class PositionwiseFeedForward(nn.Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2  (§3.3, equation 2); GELU as an option."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "relu") -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(d_model, d_ff)
+        self.linear2 = nn.Linear(d_ff, d_model)
+        self.activation = F.relu if activation == "relu" else F.gelu
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear2(self.activation(self.linear1(x)))  # (B, T, d_model)
+
+
+def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(...)  (§3.5). (max_len, d_model)"""
+    position = torch.arange(max_len, dtype=torch.float64)[:, None]  # (max_len, 1)
+    inv_freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (d_model / 2,)
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq[: d_model // 2])
+    return table.float()
+
+
+class TokenEmbedding(nn.Module):
+    """Embeddings scaled by sqrt(d_model) (§3.4), plus the positional encoding, then dropout.
+
+    ``positional`` is "sinusoidal" (the paper), "learned", or "rope"/"alibi", which add nothing here
+    (they act inside attention).
+    """
+
+    def __init__(self, embedding: nn.Embedding, positional: str, max_len: int, dropout: float) -> None:
+        super().__init__()
+        self.embedding = embedding  # may be shared with the other side and the output projection
+        self.scale = math.sqrt(embedding.embedding_dim)
+        self.max_len = max_len
+        d_model = embedding.embedding_dim
+        self.learned = nn.Embedding(max_len, d_model) if positional == "learned" else None
+        if positional == "sinusoidal":
+            self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+        else:
+            self.table = None
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens: Tensor, position: int = 0) -> Tensor:
+        """(B, T) token ids starting at ``position`` -> (B, T, d_model)."""
+        T = tokens.shape[1]
+        if position + T > self.max_len:
+            raise ValueError(f"sequence of {position + T} tokens exceeds model.max_len {self.max_len}")
+        x = self.embedding(tokens) * self.scale  # (B, T, d_model)
+        if self.table is not None:
+            x = x + self.table[position:position + T]
+        elif self.learned is not None:
+            x = x + self.learned.weight[position:position + T]
+        return self.dropout(x)
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention, then FFN, each in a residual block with LayerNorm (§3.1, encoder)."""
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1,
+                 attention_dropout: float = 0.0, activation: str = "relu", norm_first: bool = False,
+                 eps: float = 1e-5) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, num_heads, attention_dropout)
+        self.ffn = PositionwiseFeedForward(d_model, d_ff, activation)
+        self.norm1 = nn.LayerNorm(d_model, eps=eps)
+        self.norm2 = nn.LayerNorm(d_model, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
+
+    def forward(self, x: Tensor, mask: Tensor | None, rotary: RotaryEmbedding | None = None,
+                need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """x: (B, S, d_model); mask: (B, 1|H, 1|S, S). Returns (x, self-attention weights or None)."""
+        h, weights = self.self_attn(self.norm1(x) if self.norm_first else x, mask=mask, rotary=rotary,
+                                    need_weights=need_weights)
+        x = _residual(x, self.dropout(h), self.norm1, self.norm_first)
+        x = _residual(x, self.dropout(self.ffn(self.norm2(x) if self.norm_first else x)), self.norm2,
+                      self.norm_first)
+        return x, weights
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, encoder-decoder attention, then FFN (§3.1, decoder)."""
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1,
+                 attention_dropout: float = 0.0, activation: str = "relu", norm_first: bool = False,
+                 eps: float = 1e-5) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, num_heads, attention_dropout)
+        self.cross_attn = MultiHeadAttention(d_model, num_heads, attention_dropout, cross=True)
+        self.ffn = PositionwiseFeedForward(d_model, d_ff, activation)
+        self.norm1 = nn.LayerNorm(d_model, eps=eps)
+        self.norm2 = nn.LayerNorm(d_model, eps=eps)
+        self.norm3 = nn.LayerNorm(d_model, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
+
+    def forward(self, x: Tensor, memory: Tensor | None, self_mask: Tensor | None, memory_mask: Tensor | None,
+                is_causal: bool = True, cache: "DecoderLayerCache | None" = None,
+                rotary: RotaryEmbedding | None = None, position: int = 0, need_weights: bool = False
+                ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """x: (B, T, d_model) target states; memory: (B, S, d_model) encoder output.
+
+        ``is_causal`` adds the causal mask to ``self_mask`` (a single new token needs none).
+        With a cache, x holds only the new tokens. Returns (x, self-attention weights,
+        cross-attention weights); weights only if asked.
+        """
+        h, self_weights = self.self_attn(
+            self.norm1(x) if self.norm_first else x, mask=self_mask, is_causal=is_causal,
+            cache=cache.self_kv if cache else None, rotary=rotary, position=position, need_weights=need_weights)
+        x = _residual(x, self.dropout(h), self.norm1, self.norm_first)
+        h, cross_weights = self.cross_attn(
+            self.norm2(x) if self.norm_first else x, memory=memory, mask=memory_mask,
+            memory_kv=cache.memory_kv if cache else None, need_weights=need_weights)
+        x = _residual(x, self.dropout(h), self.norm2, self.norm_first)
+        x = _residual(x, self.dropout(self.ffn(self.norm3(x) if self.norm_first else x)), self.norm3,
+                      self.norm_first)
+        return x, self_weights, cross_weights
+
+
+def _residual(x: Tensor, sublayer_out: Tensor, norm: nn.LayerNorm, norm_first: bool) -> Tensor:
+    """Post-LN: LayerNorm(x + sublayer); pre-LN: x + sublayer (the norm was applied to its input)."""
+    return x + sublayer_out if norm_first else norm(x + sublayer_out)
+
+
+class DecoderLayerCache:
+    """What one decoder layer keeps between decoding steps."""
+
+    def __init__(self, memory_kv: tuple[Tensor, Tensor], capacity: int) -> None:
+        self.self_kv = KVCache(capacity)
+        self.memory_kv = memory_kv  # cross-attention K/V, (B, H, S, d_k) each: fixed per source
+
+    def select(self, index: Tensor) -> None:
+        self.self_kv.select(index)
+        self.memory_kv = (self.memory_kv[0].index_select(0, index), self.memory_kv[1].index_select(0, index))
