@@ -13,6 +13,31 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _cache(tmp_path_factory):
+    """Tokenizer and encoding caches go to a temporary folder, not the user's home."""
+    os.environ["TFORMER_CACHE"] = str(tmp_path_factory.mktemp("tformer-cache"))
+
+
+def write_config(path, **sections):
+    """A tiny training config on the bundled demo data, with section overrides: write_config(p, train={...})."""
+    import yaml
+
+    config = {
+        "model": {"d_model": 32, "num_heads": 4, "num_encoder_layers": 1, "num_decoder_layers": 1, "d_ff": 64,
+                  "dropout": 0.1, "max_len": 64},
+        "data": {"dataset": "data/numbers", "source": "en", "target": "de", "max_length": 48, "vocab_size": 200,
+                 "min_frequency": 1, "max_samples": 300},
+        "train": {"max_tokens": 600, "schedule": "constant", "lr": 3e-3, "warmup_steps": 0, "max_steps": 6,
+                  "log_every": 1, "eval_every": 1000, "eval_max_sentences": 20, "seed": 3, "device": "cpu"},
+        "decode": {"max_len_a": 2.5, "max_len_b": 10},
+    }
+    for name, values in sections.items():
+        config[name].update(values)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def tiny_model_config(**overrides):
     """A model small enough for a unit test, overridable per test."""
     from tformer_cli.config import ModelConfig

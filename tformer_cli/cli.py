@@ -50,6 +50,9 @@ app = typer.Typer(
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option(
     "--set", metavar="SECTION.KEY=VALUE", help="Override a config key, e.g. --set train.lr=3e-4 (repeatable).")]
+DeviceOpt = Annotated[Optional[str], typer.Option(
+    "--device", help="auto | cpu | cuda (default: the config's train.device).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
 
 
 def _version(value: bool) -> None:
@@ -105,6 +108,37 @@ def count_params(
     vocab_size = cfg.data.vocab_size
     result = summary(cfg.model, vocab_size, vocab_size)
     print_json(result) if json_output else param_table(result)
+
+
+@app.command()
+def train(
+    config: Annotated[Optional[Path], typer.Argument(help="YAML config (omit with --resume).")] = None,
+    resume: Annotated[Optional[Path], typer.Option(help="Continue the run in this folder.")] = None,
+    overrides: SetOpt = None,
+    device: DeviceOpt = None,
+    output_dir: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<config name>).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing run folder.")] = False,
+    quiet: QuietOpt = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Train a model from a YAML config; checkpoints, metrics and the tokenizer go to a run folder.
+
+    [dim]Examples:[/]
+      tformer train configs/demo.yaml
+      tformer train configs/small.yaml --set data.dataset=../shared/data/multi30k --device cuda
+      tformer train --resume runs/demo --set train.max_steps=4000
+    """
+    from tformer_cli.render import TrainProgress, print_json
+    from tformer_cli.train import prepare_run, train as run_training
+
+    sets = list(overrides or []) + ([f"train.device={device}"] if device else [])
+    cfg, run_dir = prepare_run(config, resume, sets, output_dir, overwrite)
+    result = run_training(cfg, run_dir, resume=resume is not None, callback=TrainProgress(quiet or json_output))
+    if json_output:
+        print_json({"run_dir": str(run_dir), "stop_reason": result.stop_reason, "step": result.state.step,
+                    "elapsed": result.state.elapsed, "last_eval": result.last_eval})
+    if result.stop_reason == "interrupted":
+        raise typer.Exit(130)
 
 
 def main() -> None:

@@ -96,3 +96,82 @@ def error_lines(message: str) -> None:
 
     for line in message.splitlines() or [message]:
         err_console.print(Text.assemble(("error: ", "bold red"), (line, "red")), soft_wrap=True)
+
+
+class TrainProgress:
+    """A ``train`` callback: live Rich progress (loss, perplexity, lr, tokens/s, ETA) and a summary."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self.progress = None
+        self.task = None
+        self.start_info: dict[str, Any] = {}
+
+    def __call__(self, event: str, data: dict[str, Any]) -> None:
+        if self.quiet:
+            return
+        getattr(self, f"_on_{event}", lambda d: None)(data)
+
+    def _on_setup(self, data: dict[str, Any]) -> None:
+        err_console.print(f"[dim]{data['message']}…[/]")
+
+    def _on_start(self, data: dict[str, Any]) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.start_info = data
+        resumed = f", resumed at step {data['resumed_at']:,}" if data["resumed_at"] else ""
+        dropped = data["dropped_long"] + data["dropped_empty"]
+        err_console.print(
+            f"[bold]training[/] {data['run_dir']} on {data['device']}{resumed}: {human(data['parameters'])} parameters, "
+            f"vocabulary {data['vocab_size']:,}, {data['train_pairs']:,} training pairs "
+            f"({dropped:,} dropped: {data['dropped_long']:,} too long, {data['dropped_empty']:,} empty; "
+            f"{data['truncated']:,} truncated), {data['validation_pairs']:,} validation, "
+            f"{data['steps_per_epoch']:,} steps an epoch")
+        if not err_console.is_terminal:  # a log file or pipe: plain lines instead of a live display
+            return
+        self.progress = Progress(
+            TextColumn("ep {task.fields[epoch]}"), BarColumn(bar_width=12), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]} ppl {task.fields[ppl]} lr {task.fields[lr]} "
+                       "{task.fields[speed]} tok/s"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console)
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=data["total_steps"], completed=data["resumed_at"],
+                                           epoch=data["epoch"], loss="–", ppl="–", lr="–", speed="–")
+
+    def _on_step(self, data: dict[str, Any]) -> None:
+        if self.progress is None:
+            total = f"/{data['total_steps']:,}" if data["total_steps"] else ""
+            err_console.print(f"step {data['step']:,}{total} epoch {data['epoch']} loss {data['loss']:.4f} "
+                              f"ppl {data['ppl']:.2f} lr {data['lr']:.2e} {data['tokens_per_s']:,.0f} tok/s "
+                              f"{data['elapsed']:.0f} s", highlight=False)
+            return
+        self.progress.update(self.task, completed=data["step"], epoch=data["epoch"], loss=f"{data['loss']:.3f}",
+                             ppl=f"{data['ppl']:.2f}", lr=f"{data['lr']:.2e}", speed=f"{data['tokens_per_s']:,.0f}")
+
+    def _on_eval(self, data: dict[str, Any]) -> None:
+        extra = "".join(f" · {k} {data[k]:.2f}" for k in ("bleu", "chrf", "exact_match") if k in data)
+        star = " [green]★ best[/]" if data["best"] else ""
+        err_console.print(f"step {data['step']:,}: validation loss {data['loss']:.4f} · "
+                                    f"ppl {data['ppl']:.2f}{extra}{star}")
+
+    def _on_end(self, data: dict[str, Any]) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        state = data["state"]
+        table = Table(title=f"training finished: {data['stop_reason']}", title_justify="left", box=box.SIMPLE_HEAD)
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        table.add_row("steps", f"{state['step']:,}")
+        table.add_row("epochs completed", f"{state['epoch']:,}")
+        table.add_row("target tokens", f"{state['target_tokens']:,}")
+        table.add_row("time", f"{state['elapsed']:.1f} s")
+        table.add_row("target tokens / s", f"{state['target_tokens'] / max(state['elapsed'], 1e-9):,.0f}")
+        last = data.get("last_eval")
+        if last:
+            table.add_row("validation loss / ppl", f"{last['loss']:.4f} / {last['ppl']:.2f}")
+            for key in ("bleu", "chrf", "exact_match"):
+                if key in last:
+                    table.add_row(f"validation {key.replace('_', ' ')}", f"{last[key]:.2f}")
+        if state.get("best_step") is not None:
+            table.add_row("best step", f"{state['best_step']:,}")
+        err_console.print(table)

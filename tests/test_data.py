@@ -1,0 +1,111 @@
+import gzip
+import json
+
+import pytest
+
+from tformer_cli.config import DataConfig
+from tformer_cli.data import collate, encode_split, load_encoded, load_pairs, token_batches
+from tformer_cli.errors import DataError
+from tformer_cli.tokenizer import PAD_ID, Vocabulary
+
+ROWS = [{"de": f"ein Haus {i}", "en": f"a house {i}"} for i in range(12)]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return str(path)
+
+
+def test_jsonl_csv_parquet_and_gzip_give_the_same_pairs(tmp_path):
+    import pandas as pd
+
+    expected = [(r["de"], r["en"]) for r in ROWS]
+    jsonl = _jsonl(tmp_path / "train.jsonl", ROWS)
+    pd.DataFrame(ROWS).to_csv(tmp_path / "train.csv", index=False)
+    pd.DataFrame(ROWS).to_parquet(tmp_path / "train.parquet")
+    with gzip.open(tmp_path / "train.jsonl.gz", "wt") as f:
+        f.write(open(jsonl).read())
+    for name in ("train.jsonl", "train.csv", "train.parquet", "train.jsonl.gz"):
+        cfg = DataConfig(data_files={"train": str(tmp_path / name)}, source="de", target="en")
+        assert load_pairs(cfg, "train") == expected, name
+
+
+def test_parallel_text_files_and_nested_fields(tmp_path):
+    (tmp_path / "train.de").write_text("".join(r["de"] + "\n" for r in ROWS))
+    (tmp_path / "train.en").write_text("".join(r["en"] + "\n" for r in ROWS))
+    cfg = DataConfig(data_files={"train": [str(tmp_path / "train.de"), str(tmp_path / "train.en")]}, format="text")
+    assert load_pairs(cfg, "train") == [(r["de"], r["en"]) for r in ROWS]
+    nested = _jsonl(tmp_path / "wmt.jsonl", [{"translation": r} for r in ROWS])
+    cfg = DataConfig(data_files={"train": nested}, source="translation.de", target="translation.en", max_samples=5)
+    assert load_pairs(cfg, "train") == [(r["de"], r["en"]) for r in ROWS[:5]]
+
+
+def test_local_dataset_folder_with_split_names(tmp_path):
+    _jsonl(tmp_path / "train.jsonl", ROWS)
+    _jsonl(tmp_path / "validation.jsonl", ROWS[:3])
+    cfg = DataConfig(dataset=str(tmp_path), source="en", target="de")
+    assert len(load_pairs(cfg, "validation")) == 3
+    with pytest.raises(DataError, match=r"has no split 'test' \(has: train, validation\)"):
+        load_pairs(cfg, "test")
+
+
+def test_bad_data_configs_give_clear_errors(tmp_path):
+    good = _jsonl(tmp_path / "train.jsonl", ROWS)
+    with pytest.raises(DataError, match=r"data.target: field 'fr' not in the dataset \(fields: de, en\)"):
+        load_pairs(DataConfig(data_files={"train": good}, source="de", target="fr"), "train")
+    with pytest.raises(DataError, match="data file not found: .*missing.jsonl"):
+        load_pairs(DataConfig(data_files={"train": str(tmp_path / "missing.jsonl")}), "train")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="is empty|could not read"):
+        load_pairs(DataConfig(data_files={"train": str(empty)}), "train")
+    with pytest.raises(DataError, match="from the Hugging Face hub .*offline\\? point at local files"):
+        load_pairs(DataConfig(dataset="nobody/no-such-dataset-here"), "train")
+
+
+def test_encode_split_drops_empty_and_drops_or_truncates_long_pairs():
+    vocab = Vocabulary.train([("a b c d e f g", "a b c d e f g")], vocab_size=40, min_frequency=1)
+    pairs = [("a b", "c d"), ("", "c"), ("a b c d e f g a b c d e f g", "a")]
+    dropped = encode_split(pairs, vocab, DataConfig(max_length=8))
+    assert (len(dropped), dropped.dropped_empty, dropped.dropped_long) == (1, 1, 1)
+    truncated = encode_split(pairs, vocab, DataConfig(max_length=8, long_pairs="truncate"))
+    assert (len(truncated), truncated.truncated) == (2, 1)
+    assert len(truncated.src[1]) == 8 and truncated.src[1][-1] == vocab.encode_sources(["a"])[0][-1]
+
+
+def test_encoded_splits_are_cached(tmp_path):
+    path = _jsonl(tmp_path / "train.jsonl", ROWS)
+    cfg = DataConfig(data_files={"train": path}, source="de", target="en")
+    vocab = Vocabulary.train([(r["de"], r["en"]) for r in ROWS], vocab_size=60, min_frequency=1)
+    first = load_encoded(cfg, "train", vocab)
+    cached = load_encoded(cfg, "train", vocab)
+    assert cached.src == first.src and cached is not first
+    _jsonl(tmp_path / "train.jsonl", ROWS[:4])  # changed data invalidates the cache
+    assert len(load_encoded(cfg, "train", vocab)) == 4
+
+
+def test_token_batches_respect_max_tokens_and_cover_every_example_once():
+    import random
+
+    rng = random.Random(0)
+    src = [rng.randint(1, 40) for _ in range(500)]
+    tgt = [rng.randint(1, 40) for _ in range(500)]
+    batches = token_batches(src, tgt, max_tokens=200, seed=1, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(500))
+    for batch in batches:
+        assert len(batch) * max(max(src[i], tgt[i]) for i in batch) <= 200
+    assert token_batches(src, tgt, 200, seed=1, epoch=0) == batches
+    assert token_batches(src, tgt, 200, seed=1, epoch=1) != batches
+    shards = [token_batches(src, tgt, 200, seed=1, epoch=0, rank=r, world_size=2) for r in (0, 1)]
+    assert sorted(i for s in shards for b in s for i in b) == list(range(500))
+
+
+def test_collate_pads_and_shifts_targets():
+    from tformer_cli.data import EncodedSplit
+
+    split = EncodedSplit(src=[[5, 6, 2], [7, 2]], tgt=[[1, 8, 9, 2], [1, 8, 2]], pairs=[("", "")] * 2)
+    batch = collate(split, [0, 1])
+    assert batch.src.tolist() == [[5, 6, 2], [7, 2, PAD_ID]]
+    assert batch.tgt_in.tolist() == [[1, 8, 9], [1, 8, 2]]
+    assert batch.tgt_out.tolist() == [[8, 9, 2], [8, 2, PAD_ID]]
+    assert batch.num_tokens == 5

@@ -1,0 +1,44 @@
+from tformer_cli.tokenizer import BOS_ID, EOS_ID, PAD_ID, SPECIALS, UNK_ID, Vocabulary
+
+TEXTS = [
+    "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche.",
+    "A man (in a blue shirt) says: \"Hello, world!\" — doesn't he?",
+    "Ein Café à la française coûte 3,50 € – été, naïve, Øresund.",
+    "twenty-one thousand four hundred",
+] * 5
+
+
+def test_special_tokens_have_fixed_ids():
+    vocab = Vocabulary.train([(t, t) for t in TEXTS], vocab_size=200, min_frequency=1)
+    assert [vocab.source.token_to_id(t) for t in SPECIALS] == [PAD_ID, BOS_ID, EOS_ID, UNK_ID]
+    src = vocab.encode_sources(["ein Mann"])[0]
+    tgt = vocab.encode_targets(["ein Mann"])[0]
+    assert src[-1] == EOS_ID and BOS_ID not in src
+    assert tgt[0] == BOS_ID and tgt[-1] == EOS_ID and tgt[1:] == src
+
+
+def test_decoding_round_trips_spaces_punctuation_and_accents():
+    vocab = Vocabulary.train([(t, t) for t in TEXTS], vocab_size=300, min_frequency=1)
+    ids = vocab.encode_targets(TEXTS[:4])
+    assert vocab.decode_targets(ids) == TEXTS[:4]
+
+
+def test_save_and_load_joint_and_separate(tmp_path):
+    pairs = [(a, b) for a, b in zip(TEXTS, reversed(TEXTS))]
+    joint = Vocabulary.train(pairs, vocab_size=120, min_frequency=1)
+    joint.save(tmp_path)
+    again = Vocabulary.load(tmp_path)
+    assert again.joint and again.encode_sources(TEXTS) == joint.encode_sources(TEXTS)
+    separate = Vocabulary.train(pairs, vocab_size=120, min_frequency=1, joint=False)
+    folder = tmp_path / "sep"
+    folder.mkdir()
+    separate.save(folder)
+    loaded = Vocabulary.load(folder)
+    assert not loaded.joint
+    assert loaded.encode_targets(TEXTS) == separate.encode_targets(TEXTS)
+    assert loaded.fingerprint() == separate.fingerprint() != joint.fingerprint()
+
+
+def test_lowercase_option():
+    vocab = Vocabulary.train([(t, t) for t in TEXTS], vocab_size=200, min_frequency=1, lowercase=True)
+    assert vocab.decode_targets(vocab.encode_targets(["Zwei Männer"])) == ["zwei männer"]

@@ -1,0 +1,162 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_model_config, write_config
+from tformer_cli.config import TrainConfig, load_config
+from tformer_cli.data import Batch
+from tformer_cli.errors import UsageError
+from tformer_cli.evaluation import label_smoothed_loss
+from tformer_cli.model import build_model
+from tformer_cli.runtime import find_weights, load_run, load_weights, step_checkpoints
+from tformer_cli.train import learning_rate, prepare_run, train
+
+
+def test_noam_schedule_matches_the_paper():
+    cfg = TrainConfig(schedule="noam", lr=1.0, warmup_steps=4000)
+    for step in (1, 100, 4000, 10000):
+        expected = 512 ** -0.5 * min(step ** -0.5, step * 4000 ** -1.5)
+        assert math.isclose(learning_rate(step, cfg, 512), expected)
+    assert learning_rate(4000, cfg, 512) > learning_rate(3000, cfg, 512) > 0
+    assert learning_rate(4000, cfg, 512) > learning_rate(8000, cfg, 512)
+
+
+def test_other_schedules_warm_up_to_the_peak_and_decay():
+    inv = TrainConfig(schedule="inverse_sqrt", lr=1e-3, warmup_steps=100)
+    assert math.isclose(learning_rate(50, inv, 1), 5e-4) and math.isclose(learning_rate(100, inv, 1), 1e-3)
+    assert math.isclose(learning_rate(400, inv, 1), 5e-4)
+    cos = TrainConfig(schedule="cosine", lr=1e-3, warmup_steps=10, max_steps=110, min_lr=1e-5)
+    assert math.isclose(learning_rate(10, cos, 1), 1e-3) and math.isclose(learning_rate(110, cos, 1), 1e-5)
+
+
+def test_label_smoothed_loss_equals_torch_cross_entropy():
+    model = build_model(tiny_model_config(), 40).eval()
+    src = torch.randint(4, 40, (3, 6))
+    tgt = torch.randint(4, 40, (3, 6))
+    tgt[1, 4:] = 0
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
+    loss, nll = label_smoothed_loss(model, batch, 0.1)
+    logits = model(src, tgt[:, :-1])
+    expected = F.cross_entropy(logits.transpose(1, 2), tgt[:, 1:], ignore_index=0, label_smoothing=0.1,
+                               reduction="sum")
+    expected_nll = F.cross_entropy(logits.transpose(1, 2), tgt[:, 1:], ignore_index=0, reduction="sum")
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(nll, expected_nll, rtol=1e-5, atol=1e-4)
+
+
+def test_a_tiny_model_overfits_one_batch():
+    model = build_model(tiny_model_config(dropout=0.0), 30)
+    src = torch.randint(4, 30, (4, 7))
+    tgt = torch.cat([torch.ones(4, 1, dtype=torch.long), torch.randint(4, 30, (4, 6))], dim=1)
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], list(range(4)), 24)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss, nll = label_smoothed_loss(model, batch, 0.0)
+        optimizer.zero_grad()
+        (loss / batch.num_tokens).backward()
+        optimizer.step()
+    assert nll.item() / batch.num_tokens < 0.05
+
+
+def test_loss_goes_down_on_the_demo_data(tmp_path):
+    path = write_config(tmp_path / "demo.yaml", train={"max_steps": 40, "eval_every": 20, "log_every": 5,
+                                                       "eval_bleu": False},
+                        data={"max_samples": 2000})
+    events = []
+    result = train(load_config(path), tmp_path / "run", callback=lambda e, d: events.append((e, d)))
+    losses = [d["loss"] for e, d in events if e == "step"]
+    evals = [d["loss"] for e, d in events if e == "eval"]
+    assert losses[-1] < 0.8 * losses[0]
+    assert evals[-1] < evals[0]
+    assert result.stop_reason == "reached train.max_steps 40"
+    run = tmp_path / "run"
+    for name in ("config.yaml", "tokenizer.json", "model.safetensors", "metrics.jsonl"):
+        assert (run / name).is_file(), name
+    assert [p.name for p in step_checkpoints(run)] == ["step-00000020", "step-00000040"]
+
+
+def _weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(step_checkpoints(run_dir)[-1] / "model.safetensors"))
+
+
+def test_resuming_gives_the_same_weights_as_training_straight_through(tmp_path):
+    path = write_config(tmp_path / "r.yaml", train={"max_steps": 8, "eval_every": 1000})
+    train(load_config(path), tmp_path / "straight")
+    train(load_config(path, ["train.max_steps=3"]), tmp_path / "resumed")
+    config, run_dir = prepare_run(None, tmp_path / "resumed", ["train.max_steps=8"], None)
+    result = train(config, run_dir, resume=True)
+    assert result.state.step == 8
+    straight, resumed = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+
+
+def test_a_write_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    import tformer_cli.runtime as runtime
+
+    path = write_config(tmp_path / "k.yaml", train={"max_steps": 2, "eval_every": 2})
+    run_dir = tmp_path / "run"
+    train(load_config(path), run_dir)
+    good = step_checkpoints(run_dir)[-1]
+
+    def crash(*args, **kwargs):
+        raise OSError("disk unplugged")
+
+    monkeypatch.setattr(runtime.torch, "save", crash)  # dies after the weights, before the trainer state
+    config, _ = prepare_run(None, run_dir, ["train.max_steps=4"], None)
+    with pytest.raises(OSError):
+        train(config, run_dir, resume=True)
+    monkeypatch.undo()
+    assert step_checkpoints(run_dir) == [good]
+    loaded = load_run(run_dir)  # eval/generate still find complete weights
+    assert loaded.weights == run_dir / "model.safetensors"
+    config, _ = prepare_run(None, run_dir, ["train.max_steps=4"], None)
+    assert train(config, run_dir, resume=True).state.step == 4
+
+
+def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path):
+    path = write_config(tmp_path / "c.yaml", train={"max_steps": 10})
+
+    def interrupt_at_step_3(event, data):
+        if event == "step" and data["step"] == 3:
+            raise KeyboardInterrupt
+
+    result = train(load_config(path), tmp_path / "run", callback=interrupt_at_step_3)
+    assert result.stop_reason == "interrupted"
+    assert [p.name for p in step_checkpoints(tmp_path / "run")] == ["step-00000003"]
+    config, run_dir = prepare_run(None, tmp_path / "run", [], None)
+    assert train(config, run_dir, resume=True).state.step == 10
+
+
+def test_stopping_by_epochs_and_time(tmp_path):
+    path = write_config(tmp_path / "e.yaml", train={"max_steps": None, "epochs": 1})
+    result = train(load_config(path), tmp_path / "run")
+    assert result.stop_reason == "reached train.epochs 1" and result.state.epoch == 1
+    timed = write_config(tmp_path / "t.yaml", train={"max_steps": None, "max_time": 0.5})
+    assert "max_time" in train(load_config(timed), tmp_path / "run2").stop_reason
+
+
+def test_early_stopping_on_the_validation_metric(tmp_path):
+    path = write_config(tmp_path / "p.yaml", train={"max_steps": 200, "eval_every": 1, "patience": 2,
+                                                    "lr": 50.0, "eval_bleu": False, "clip_grad_norm": None},
+                        data={"max_samples": 60})
+    result = train(load_config(path), tmp_path / "run")
+    assert "early stopping" in result.stop_reason
+    assert result.state.evals_without_improvement == 2
+
+
+def test_a_new_run_never_overwrites_an_old_one(tmp_path):
+    path = write_config(tmp_path / "o.yaml", train={"max_steps": 1})
+    train(load_config(path), tmp_path / "run")
+    with pytest.raises(UsageError, match="already holds a run; continue it with --resume"):
+        prepare_run(path, None, [], tmp_path / "run")
+    with pytest.raises(UsageError, match="either a CONFIG"):
+        prepare_run(None, None, [], None)
+    config, run_dir = prepare_run(path, None, [], tmp_path / "run", overwrite=True)
+    assert not run_dir.exists()
+    assert find_weights(tmp_path / "run") if run_dir.exists() else True

@@ -1,0 +1,276 @@
+"""Parallel data through Hugging Face `datasets`: load, tokenise (cached), filter, batch by tokens.
+
+``data.dataset`` is a hub id or a local dataset folder; ``data.data_files`` maps splits to files
+(json/jsonl, csv, parquet, or a [source, target] pair of plain-text files; .gz allowed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tformer_cli.config import DataConfig
+from tformer_cli.errors import DataError
+from tformer_cli.tokenizer import PAD_ID, Vocabulary
+
+FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def cache_dir() -> Path:
+    """Where encoded datasets and trained tokenizers are cached ($TFORMER_CACHE, else ~/.cache/tformer)."""
+    return Path(os.environ.get("TFORMER_CACHE", Path.home() / ".cache" / "tformer"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading raw text pairs
+# ---------------------------------------------------------------------------------------------
+
+
+def load_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
+    """The (source, target) texts of one split, trimmed to ``max_samples``.
+
+    Raises:
+        DataError: the dataset, split, file or field cannot be found or read.
+    """
+    if cfg.data_files:
+        if split not in cfg.data_files:
+            raise DataError(f"data.data_files has no split '{split}' (has: {', '.join(cfg.data_files)}); "
+                            f"add it or set the split name in data.*_split")
+        files = cfg.data_files[split]
+        files = [files] if isinstance(files, str) else list(files)
+        fmt = cfg.format if cfg.format != "auto" else _format_of(files[0])
+        pairs = _text_pairs(files) if fmt == "text" else _columns(_load_files(fmt, files), cfg)
+    else:
+        pairs = _columns(_load_named(cfg.dataset, split), cfg)
+    if not pairs:
+        raise DataError(f"split '{split}' of {cfg.data_files or cfg.dataset} is empty; check the files or split name")
+    return pairs[: cfg.max_samples] if cfg.max_samples else pairs
+
+
+def _format_of(path: str) -> str:
+    suffixes = [s for s in Path(path).suffixes if s != ".gz"]
+    fmt = FORMATS.get(suffixes[-1] if suffixes else "")
+    if fmt is None:
+        raise DataError(f"cannot tell the format of '{path}'; set data.format to json, csv, parquet or text")
+    return fmt
+
+
+def _check_files(files: list[str]) -> None:
+    for path in files:
+        if not Path(path).is_file():
+            raise DataError(f"data file not found: {path}; fix data.data_files (paths are relative to the "
+                            "current directory)")
+
+
+def _load_files(fmt: str, files: list[str]):
+    import datasets
+
+    _check_files(files)
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(fmt, data_files={"split": files}, split="split")
+    except Exception as exc:  # datasets raises many kinds for unreadable files
+        raise DataError(f"could not read {', '.join(files)} as {fmt}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _text_pairs(files: list[str]) -> list[tuple[str, str]]:
+    if len(files) != 2:
+        raise DataError(f"plain-text data needs two parallel files [source, target] per split, got {files}")
+    source, target = (list(_load_files("text", [f])["text"]) for f in files)
+    if len(source) != len(target):
+        raise DataError(f"parallel files differ in length: {files[0]} has {len(source)} lines, "
+                        f"{files[1]} has {len(target)}")
+    return list(zip(source, target))
+
+
+def _load_named(name: str, split: str):
+    import datasets
+
+    datasets.disable_progress_bars()
+    local = Path(name).exists()
+    try:
+        dataset = datasets.load_dataset(name)
+    except Exception as exc:
+        if local:
+            raise DataError(f"could not load the dataset folder '{name}': {_first_line(exc)}") from exc
+        raise DataError(
+            f"could not load '{name}' from the Hugging Face hub ({type(exc).__name__}); offline? point at local "
+            f"files instead: --set data.dataset=path/to/folder, or data.data_files: {{train: train.jsonl, ...}}"
+        ) from exc
+    if split not in dataset:
+        raise DataError(f"dataset '{name}' has no split '{split}' (has: {', '.join(dataset)}); "
+                        "set data.train_split / validation_split / test_split")
+    return dataset[split]
+
+
+def _columns(dataset, cfg: DataConfig) -> list[tuple[str, str]]:
+    flat = dataset.flatten()
+    for key, name in (("data.source", cfg.source), ("data.target", cfg.target)):
+        if name not in flat.column_names:
+            raise DataError(f"{key}: field '{name}' not in the dataset (fields: {', '.join(flat.column_names)})")
+    columns = flat.select_columns([cfg.source, cfg.target]).to_dict()
+    return [("" if s is None else str(s), "" if t is None else str(t))
+            for s, t in zip(columns[cfg.source], columns[cfg.target])]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenising (cached)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EncodedSplit:
+    """One split as token ids, with the raw texts kept for BLEU and generation."""
+
+    src: list[list[int]]
+    tgt: list[list[int]]
+    pairs: list[tuple[str, str]]
+    dropped_empty: int = 0
+    dropped_long: int = 0
+    truncated: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def data_fingerprint(cfg: DataConfig, split: str, *extra: Any) -> str:
+    """A key that changes when the data, its selection or its processing changes."""
+    spec: dict[str, Any] = {"split": split, "extra": extra, "cfg": {k: v for k, v in vars(cfg).items()}}
+    files = cfg.data_files.get(split, []) if cfg.data_files else []
+    files = [files] if isinstance(files, str) else files
+    paths = [Path(p) for p in files] + ([Path(cfg.dataset)] if not cfg.data_files and cfg.dataset else [])
+    spec["stat"] = [_stat(p) for p in paths]
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _stat(path: Path) -> Any:
+    if path.is_dir():
+        return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file())
+    return (str(path), path.stat().st_size, path.stat().st_mtime_ns) if path.exists() else str(path)
+
+
+def encode_split(pairs: list[tuple[str, str]], vocab: Vocabulary, cfg: DataConfig) -> EncodedSplit:
+    """Tokenise both sides in batches; drop empty pairs and drop or truncate over-long ones."""
+    kept = [(s, t) for s, t in pairs if s.strip() and t.strip()]
+    src = vocab.encode_sources([s for s, _ in kept])
+    tgt = vocab.encode_targets([t for _, t in kept])
+    out = EncodedSplit([], [], [], dropped_empty=len(pairs) - len(kept))
+    limit = cfg.max_length
+    for s, t, pair in zip(src, tgt, kept):
+        if len(s) > limit or len(t) > limit:
+            if cfg.long_pairs == "drop":
+                out.dropped_long += 1
+                continue
+            s, t = s[: limit - 1] + s[-1:], t[: limit - 1] + t[-1:]  # keep the closing EOS
+            out.truncated += 1
+        out.src.append(s)
+        out.tgt.append(t)
+        out.pairs.append(pair)
+    return out
+
+
+def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary) -> EncodedSplit:
+    """``load_pairs`` + ``encode_split``, cached on disk by data and tokenizer fingerprint."""
+    path = cache_dir() / "encoded" / f"{split}-{data_fingerprint(cfg, split, vocab.fingerprint())}.pkl"
+    if path.is_file():
+        try:
+            with path.open("rb") as f:
+                return pickle.load(f)
+        except Exception:  # a stale or partial cache entry is simply rebuilt
+            pass
+    encoded = encode_split(load_pairs(cfg, split), vocab, cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    with tmp.open("wb") as f:
+        pickle.dump(encoded, f, protocol=pickle.HIGHEST_PROTOCOL)
+    tmp.replace(path)
+    return encoded
+
+
+def train_or_load_vocabulary(cfg: DataConfig) -> Vocabulary:
+    """Learn BPE on the training split, or reuse one learned from the same data and settings."""
+    folder = cache_dir() / "tokenizers" / data_fingerprint(cfg, cfg.train_split, "bpe")
+    if folder.is_dir():
+        try:
+            return Vocabulary.load(folder)
+        except Exception:
+            pass
+    pairs = load_pairs(cfg, cfg.train_split)
+    vocab = Vocabulary.train(pairs, cfg.vocab_size, cfg.joint_vocab, cfg.min_frequency, cfg.lowercase)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab.save(folder)
+    return vocab
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    src: torch.Tensor  # (B, S)
+    tgt_in: torch.Tensor  # (B, T): <s> y_1 ... y_m
+    tgt_out: torch.Tensor  # (B, T): y_1 ... y_m </s>
+    indices: list[int]  # positions in the split
+    num_tokens: int  # non-pad target tokens
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(self.src.to(device, non_blocking=True), self.tgt_in.to(device, non_blocking=True),
+                     self.tgt_out.to(device, non_blocking=True), self.indices, self.num_tokens)
+
+
+def token_batches(src_lengths: list[int], tgt_lengths: list[int], max_tokens: int, seed: int = 0, epoch: int = 0,
+                  shuffle: bool = True, rank: int = 0, world_size: int = 1) -> list[list[int]]:
+    """Group example indices into batches of at most ``max_tokens`` padded tokens (on the longer side).
+
+    Examples are sorted by length (ties broken randomly per epoch) so each batch holds similar lengths
+    and padding stays small; the batch order is then shuffled from (seed, epoch). With ``rank`` and
+    ``world_size``, each process takes every world_size-th batch.
+    """
+    rng = random.Random(seed * 100_003 + epoch)
+    lengths = [max(s, t) for s, t in zip(src_lengths, tgt_lengths)]
+    noise = [rng.random() for _ in lengths] if shuffle else [0.0] * len(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], noise[i]))
+    batches, current, longest = [], [], 0
+    for i in order:
+        longest_if_added = max(longest, lengths[i])
+        if current and longest_if_added * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, longest_if_added = [], lengths[i]
+        current.append(i)
+        longest = longest_if_added
+    if current:
+        batches.append(current)
+    if shuffle:
+        rng.shuffle(batches)
+    return batches[rank::world_size]
+
+
+def collate(split: EncodedSplit, indices: list[int]) -> Batch:
+    """Pad one batch: sources to their longest, targets shifted into input and output."""
+    src = pad_sequences([split.src[i] for i in indices])
+    tgt = pad_sequences([split.tgt[i] for i in indices])
+    tgt_out = tgt[:, 1:]
+    return Batch(src, tgt[:, :-1], tgt_out, indices, int((tgt_out != PAD_ID).sum()))
+
+
+def pad_sequences(sequences: list[list[int]]) -> torch.Tensor:
+    out = torch.full((len(sequences), max(map(len, sequences))), PAD_ID, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return out

@@ -1,0 +1,209 @@
+"""Decoding outside the network, over ``model.encode`` / ``model.decode`` with a key/value cache.
+
+The encoder runs once per batch; each step feeds only the newest token, computes logits at that
+position only, and drops finished sentences from the batch (and from the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tformer_cli.tokenizer import BOS_ID, EOS_ID, Vocabulary
+
+
+@dataclass
+class DecodeOptions:
+    beam_size: int = 1
+    sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    length_penalty: float = 0.6  # GNMT alpha: score / ((5 + length) / 6) ** alpha
+    max_len_a: float = 1.2  # at most a * source_length + b new tokens
+    max_len_b: int = 10
+    min_length: int = 0  # EOS is forbidden before this many tokens
+    nbest: int = 1
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # without BOS/EOS
+    score: float  # sum of token log-probabilities (EOS included when emitted)
+    normalized: float  # score after the length penalty (equal to score for greedy and sampling)
+
+
+def max_new_tokens(src: Tensor, pad_id: int, options: DecodeOptions, model_max_len: int) -> Tensor:
+    """(B,) output length limits: a * source_length + b, within the model's positions."""
+    src_len = (src != pad_id).sum(dim=1).float()
+    limit = (options.max_len_a * src_len + options.max_len_b).long()
+    return limit.clamp(min=1, max=model_max_len - 1)
+
+
+def _step_log_probs(model: torch.nn.Module, last: Tensor, encoded, cache) -> Tensor:
+    """Log-probabilities (b, V) of the next token, from the newest token (b, 1) and the cache."""
+    hidden = model.decode(last, encoded, cache).hidden[:, -1]  # (b, d_model)
+    return model.logits(hidden).float().log_softmax(dim=-1)
+
+
+@torch.inference_mode()
+def greedy_or_sample(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> list[Hypothesis]:
+    """Greedy search, or sampling with temperature / top-k / top-p when ``options.sample``."""
+    B, device = src.shape[0], src.device
+    limits = max_new_tokens(src, model.pad_id, options, model.decoder.embed.max_len)
+    encoded = model.encode(src)
+    cache = model.start_cache(encoded, capacity=int(limits.max()) + 1)
+    generator = _generator(options, device)
+    out = torch.full((B, int(limits.max())), EOS_ID, dtype=torch.long, device=device)
+    scores = torch.zeros(B, device=device)
+    lengths = limits.clone()
+    alive = torch.arange(B, device=device)  # original row of each row still decoding
+    last = torch.full((B, 1), BOS_ID, dtype=torch.long, device=device)
+    for t in range(int(limits.max())):
+        log_probs = _step_log_probs(model, last, encoded, cache)  # (b, V)
+        if t < options.min_length:
+            log_probs[:, EOS_ID] = float("-inf")
+        if options.sample and options.temperature > 0:
+            token = _sample(log_probs, options, generator)  # (b,)
+        else:
+            token = log_probs.argmax(dim=-1)
+        out[alive, t] = token
+        scores[alive] += log_probs.gather(1, token[:, None]).squeeze(1)
+        done = (token == EOS_ID) | (t + 1 >= limits[alive])
+        lengths[alive[token == EOS_ID]] = t
+        if done.all():
+            break
+        if done.any():  # drop finished sentences: they cost no more work
+            keep = (~done).nonzero().squeeze(1)
+            alive, token = alive[keep], token[keep]
+            cache.select(keep)
+        last = token[:, None]
+    out, lengths, scores = out.tolist(), lengths.tolist(), scores.tolist()
+    return [Hypothesis(row[:n], s, s) for row, n, s in zip(out, lengths, scores)]
+
+
+def _generator(options: DecodeOptions, device: torch.device) -> torch.Generator | None:
+    if options.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(options.seed)
+
+
+def _sample(log_probs: Tensor, options: DecodeOptions, generator: torch.Generator | None) -> Tensor:
+    """One token per row from softmax(logits / T), restricted to the top-k and the top-p nucleus."""
+    logits = log_probs / options.temperature  # (b, V)
+    if options.top_k > 0:
+        kth = logits.topk(min(options.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if options.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        outside = cumulative - sorted_logits.softmax(dim=-1) >= options.top_p  # keep the token crossing p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(outside, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+
+
+def _length_penalty(length: int | Tensor, alpha: float):
+    return ((5 + length) / 6) ** alpha
+
+
+@torch.inference_mode()
+def beam_search(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> list[list[Hypothesis]]:
+    """Beam search batched over sentences and beams, with GNMT length normalisation.
+
+    A sentence stops when its best finished hypothesis beats the best score any live beam could
+    still reach; finished sentences leave the batch. Returns ``nbest`` hypotheses per sentence.
+    """
+    B, K, device = src.shape[0], options.beam_size, src.device
+    alpha = options.length_penalty
+    limits = max_new_tokens(src, model.pad_id, options, model.decoder.embed.max_len).tolist()
+    encoded = model.encode(src).select(torch.arange(B, device=device).repeat_interleave(K))  # (B*K, S, d)
+    cache = model.start_cache(encoded, capacity=max(limits) + 1)
+    scores = torch.zeros(B, K, device=device)
+    scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
+    history = torch.empty(B * K, 0, dtype=torch.long, device=device)
+    last = torch.full((B * K, 1), BOS_ID, dtype=torch.long, device=device)
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    alive = list(range(B))  # original sentence of each block of K rows
+    for t in range(max(limits)):
+        n = len(alive)
+        log_probs = _step_log_probs(model, last, encoded, cache)  # (n*K, V)
+        if t < options.min_length:
+            log_probs[:, EOS_ID] = float("-inf")
+        V = log_probs.shape[-1]
+        candidates = (scores.view(n * K, 1) + log_probs).view(n, K * V)
+        top_scores, top_index = candidates.topk(2 * K, dim=-1)  # (n, 2K): at most K of them end in EOS
+        top_beam, top_token = top_index // V, top_index % V
+        is_eos = top_token == EOS_ID
+        for row, col in (is_eos[:, :K]).nonzero().tolist():  # EOS among the K best: a finished hypothesis
+            beam = row * K + top_beam[row, col].item()
+            score = top_scores[row, col].item()
+            finished[alive[row]].append(Hypothesis(history[beam].tolist(), score, score / _length_penalty(t + 1, alpha)))
+        live_scores, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=-1)  # (n, K)
+        origin = (top_beam.gather(1, pick) + torch.arange(n, device=device)[:, None] * K).view(-1)  # (n*K,)
+        token = top_token.gather(1, pick).view(-1)
+        history = torch.cat([history[origin], token[:, None]], dim=1)
+        scores, last = live_scores, token[:, None]
+        cache.select(origin)
+        done = _sentences_done(finished, alive, live_scores, t + 1, limits, options)
+        if all(done):
+            break
+        if any(done):
+            keep_rows = [i for i, d in enumerate(done) if not d]
+            rows = torch.tensor([r * K + k for r in keep_rows for k in range(K)], device=device)
+            alive = [alive[r] for r in keep_rows]
+            scores, history, last = scores[keep_rows], history[rows], last[rows]
+            cache.select(rows)
+    return [sorted(hyps, key=lambda h: -h.normalized)[: options.nbest] for hyps in finished]
+
+
+def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_scores: Tensor, length: int,
+                    limits: list[int], options: DecodeOptions) -> list[bool]:
+    """Per alive sentence: finished hypotheses can no longer be beaten, or the length limit is hit.
+
+    With alpha >= 0, a live beam's best reachable normalised score is its current score (scores only
+    fall) divided by the largest penalty it can still get, at its length limit.
+    """
+    done = []
+    best_live = live_scores[:, 0].tolist()
+    for row, sentence in enumerate(alive):
+        hyps = finished[sentence]
+        if length >= limits[sentence]:
+            if len(hyps) < options.nbest:  # out of length: the live beams end here, without EOS
+                hyps.extend(Hypothesis([], s, s / _length_penalty(length, options.length_penalty))
+                            for s in live_scores[row].tolist()[: options.nbest - len(hyps)])
+            done.append(True)
+            continue
+        bound = best_live[row] / _length_penalty(limits[sentence], options.length_penalty)
+        enough = len(hyps) >= options.nbest
+        done.append(enough and max(h.normalized for h in hyps) >= bound)
+    return done
+
+
+def decode_batch(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> list[list[Hypothesis]]:
+    """Hypotheses for each source row: beam search when beam_size > 1, else greedy or sampling."""
+    if options.beam_size > 1 and not options.sample:
+        return beam_search(model, src, options)
+    return [[h] for h in greedy_or_sample(model, src, options)]
+
+
+def translate(model: torch.nn.Module, vocab: Vocabulary, texts: list[str], options: DecodeOptions,
+              batch_size: int = 64, device: torch.device | str = "cpu") -> list[list[tuple[str, Hypothesis]]]:
+    """Translate texts in length-sorted batches; results come back in input order.
+
+    Sources longer than the model's positions are truncated (keeping the closing EOS).
+    """
+    from tformer_cli.data import pad_sequences
+
+    max_len = model.encoder.embed.max_len
+    ids = [s[: max_len - 1] + s[-1:] if len(s) > max_len else s for s in vocab.encode_sources(texts)]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    results: list[list[tuple[str, Hypothesis]]] = [[] for _ in texts]
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        src = pad_sequences([ids[i] for i in chunk]).to(device)
+        for i, hyps in zip(chunk, decode_batch(model, src, options)):
+            results[i] = list(zip(vocab.decode_targets([h.tokens for h in hyps]), hyps))
+    return results

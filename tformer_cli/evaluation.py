@@ -1,0 +1,87 @@
+"""Loss, perplexity, BLEU and chrF.
+
+The loss is label-smoothed cross-entropy (§5.4) over real target tokens only: the output
+projection and softmax, which dominate a small model's cost, are computed at non-pad positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tformer_cli.data import Batch, EncodedSplit, collate, token_batches
+from tformer_cli.tokenizer import PAD_ID
+
+
+def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float) -> tuple[Tensor, Tensor]:
+    """Sum over target tokens of (1 - eps) * NLL + eps * mean_v(-log p_v), and the plain NLL sum.
+
+    Returns:
+        (smoothed loss sum to back-propagate, NLL sum, detached).
+    """
+    encoded = model.encode(batch.src)
+    hidden = model.decode(batch.tgt_in, encoded).hidden  # (B, T, d_model)
+    real = batch.tgt_out != PAD_ID  # (B, T)
+    target = batch.tgt_out[real]  # (N,)
+    log_probs = model.logits(hidden[real]).float().log_softmax(dim=-1)  # (N, V)
+    nll = -log_probs.gather(1, target[:, None]).squeeze(1)  # (N,)
+    loss = nll.sum() if smoothing == 0 else ((1 - smoothing) * nll - smoothing * log_probs.mean(dim=-1)).sum()
+    return loss, nll.sum().detach()
+
+
+@dataclass
+class LossResult:
+    loss: float  # mean NLL per target token (nats)
+    tokens: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 50.0))
+
+
+@torch.no_grad()
+def evaluate_loss(model: torch.nn.Module, split: EncodedSplit, max_tokens: int,
+                  device: torch.device | str = "cpu") -> LossResult:
+    """Teacher-forced mean NLL per target token over a whole split."""
+    was_training = model.training
+    model.eval()
+    total, tokens = 0.0, 0
+    for indices in token_batches([len(s) for s in split.src], [len(t) for t in split.tgt], max_tokens,
+                                 shuffle=False):
+        batch = collate(split, indices).to(device)
+        _, nll = label_smoothed_loss(model, batch, 0.0)
+        total += nll.item()
+        tokens += batch.num_tokens
+    model.train(was_training)
+    return LossResult(total / max(tokens, 1), tokens)
+
+
+def corpus_scores(hypotheses: list[str], references: list[str]) -> dict[str, float | str]:
+    """Cased sacreBLEU, lowercased BLEU, chrF and exact match of detokenised text."""
+    import sacrebleu
+
+    bleu = sacrebleu.BLEU()
+    cased = bleu.corpus_score(hypotheses, [references])
+    lower = sacrebleu.BLEU(lowercase=True).corpus_score(hypotheses, [references])
+    chrf = sacrebleu.CHRF().corpus_score(hypotheses, [references])
+    exact = sum(h.strip() == r.strip() for h, r in zip(hypotheses, references)) / max(len(references), 1)
+    return {"bleu": cased.score, "bleu_lowercase": lower.score, "chrf": chrf.score, "exact_match": 100.0 * exact,
+            "bleu_signature": str(bleu.get_signature())}
+
+
+def validation_bleu(model: torch.nn.Module, vocab, split: EncodedSplit, decode_cfg, max_sentences: int,
+                    device: torch.device | str = "cpu") -> dict[str, float]:
+    """Greedy-decode the first ``max_sentences`` validation pairs and score them against the raw targets."""
+    from tformer_cli.decoding import DecodeOptions, translate
+
+    was_training = model.training
+    model.eval()
+    pairs = split.pairs[:max_sentences]
+    options = DecodeOptions(beam_size=1, max_len_a=decode_cfg.max_len_a, max_len_b=decode_cfg.max_len_b)
+    results = translate(model, vocab, [source for source, _ in pairs], options, decode_cfg.batch_size, device)
+    model.train(was_training)
+    scores = corpus_scores([hyps[0][0] for hyps in results], [target for _, target in pairs])
+    return {key: scores[key] for key in ("bleu", "chrf", "exact_match")}

@@ -1,0 +1,198 @@
+"""Devices, seeding, and run folders: atomic checkpoint writes, loading, resuming.
+
+A run folder::
+
+    runs/NAME/
+      config.yaml            the resolved config
+      tokenizer.json         (or tokenizer-source.json + tokenizer-target.json)
+      model.safetensors      the best weights so far (by train.best_metric), else the latest
+      metrics.jsonl          every logged figure, one JSON object a line
+      checkpoints/step-00001000/
+        model.safetensors    weights
+        trainer.pt           optimizer, step, epoch, data position, RNG state
+      checkpoints/average-last-5/model.safetensors   (from `tformer average`)
+
+Every file and checkpoint folder is written under a temporary name and renamed into place, so an
+interrupted write never replaces a good file with a broken one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model, save_model
+
+from tformer_cli.config import Config, config_from_dict, to_yaml
+from tformer_cli.errors import CheckpointError, UsageError
+from tformer_cli.tokenizer import PAD_ID, Vocabulary
+
+WEIGHTS, TRAINER, CHECKPOINTS = "model.safetensors", "trainer.pt", "checkpoints"
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """'auto' picks CUDA when available; asking for CUDA without it is a usage error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available; use --device cpu or auto")
+    if name not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: expected auto, cpu or cuda")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_weights(model: torch.nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Weights only, as safetensors (tied matrices stored once), written atomically."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_model(_unwrap(model), str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    try:
+        missing, unexpected = load_model(_unwrap(model), str(path), strict=False)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable weights ({exc}); pick another checkpoint") from exc
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not fit the model in config.yaml "
+                              f"(missing {len(missing)}, unexpected {len(unexpected)} tensors)")
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "_orig_mod", model)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any],
+                    keep_last: int) -> Path:
+    """Write checkpoints/step-N (weights + trainer state) atomically; keep only the last ``keep_last``."""
+    folder = run_dir / CHECKPOINTS
+    final, tmp = folder / f"step-{step:08d}", folder / f".step-{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(_unwrap(model), str(tmp / WEIGHTS))
+    torch.save(trainer_state, tmp / TRAINER)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in step_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def step_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete step checkpoints, oldest first (temporary folders of interrupted writes are ignored)."""
+    folder = Path(run_dir) / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("step-*") if (p / WEIGHTS).is_file() and (p / TRAINER).is_file())
+
+
+def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
+    try:
+        return torch.load(checkpoint / TRAINER, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"{checkpoint}: unreadable trainer state ({exc}); resume from an earlier "
+                              "checkpoint by deleting this one") from exc
+
+
+def save_run_files(run_dir: Path, config: Config, vocab: Vocabulary) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / "config.yaml", to_yaml(config))
+    vocab.save(run_dir)
+
+
+def load_run_config(run_dir: Path) -> Config:
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"{run_dir}: not a run folder (no config.yaml); pass the folder `tformer train` wrote, "
+                              "e.g. runs/demo")
+    config = config_from_dict(yaml.safe_load(path.read_text()), source=str(path))
+    config.name = Path(run_dir).name
+    return config
+
+
+@dataclass
+class LoadedRun:
+    """Everything `eval`, `generate` and `inspect-attention` need, from one run folder."""
+
+    run_dir: Path
+    weights: Path
+    config: Config
+    vocab: Vocabulary
+    model: torch.nn.Module
+
+
+def find_weights(path: Path) -> tuple[Path, Path]:
+    """(run folder, weights file) for a run folder, a checkpoint folder in it, or a weights file."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such run folder; train one with `tformer train CONFIG`")
+    if path.is_file():
+        return _run_of(path.parent), path
+    if (path / "config.yaml").is_file():
+        if (path / WEIGHTS).is_file():
+            return path, path / WEIGHTS
+        steps = step_checkpoints(path)
+        if steps:
+            return path, steps[-1] / WEIGHTS
+        raise CheckpointError(f"{path}: the run has no weights yet; train it first (tformer train --resume {path})")
+    if (path / WEIGHTS).is_file():
+        return _run_of(path), path / WEIGHTS
+    raise CheckpointError(f"{path}: neither a run folder nor a checkpoint (no config.yaml or {WEIGHTS})")
+
+
+def _run_of(folder: Path) -> Path:
+    for candidate in (folder, folder.parent, folder.parent.parent):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise CheckpointError(f"{folder}: cannot find the run folder (config.yaml) this checkpoint belongs to")
+
+
+def load_run(path: Path, device: torch.device | str = "cpu") -> LoadedRun:
+    """Build the model of a run folder (or checkpoint) and load its weights, in eval mode."""
+    from tformer_cli.model import build_model
+
+    run_dir, weights = find_weights(Path(path))
+    config = load_run_config(run_dir)
+    vocab = Vocabulary.load(run_dir)
+    model = build_model(config.model, vocab.src_size, vocab.tgt_size, PAD_ID)
+    load_weights(model, weights)
+    return LoadedRun(run_dir, weights, config, vocab, model.to(device).eval())
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")

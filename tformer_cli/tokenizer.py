@@ -1,0 +1,118 @@
+"""Subword BPE tokenizers (Hugging Face `tokenizers`): train, save, load, encode, decode.
+
+A joint vocabulary (one tokenizer for both sides, as the paper shares embeddings) is the default;
+with separate vocabularies the source and target each get their own. Spaces are kept as the
+metaspace marker, so decoding gives back the original text (punctuation and accents included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from tformer_cli.errors import CheckpointError
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIALS = [PAD, BOS, EOS, UNK]  # ids 0, 1, 2, 3
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+JOINT_FILE, SOURCE_FILE, TARGET_FILE = "tokenizer.json", "tokenizer-source.json", "tokenizer-target.json"
+
+
+def _new_tokenizer(lowercase: bool) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK))
+    steps = [normalizers.NFC()] + ([normalizers.Lowercase()] if lowercase else [])
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    return tokenizer
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2, lowercase: bool = False) -> Tokenizer:
+    """Learn a BPE vocabulary of at most ``vocab_size`` entries (special tokens included)."""
+    tokenizer = _new_tokenizer(lowercase)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIALS,
+                                  show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+class Vocabulary:
+    """The source and target tokenizers of a run (the same object when the vocabulary is joint)."""
+
+    def __init__(self, source: Tokenizer, target: Tokenizer | None = None) -> None:
+        self.source = source
+        self.target = target or source
+
+    @property
+    def joint(self) -> bool:
+        return self.source is self.target
+
+    @property
+    def src_size(self) -> int:
+        return self.source.get_vocab_size()
+
+    @property
+    def tgt_size(self) -> int:
+        return self.target.get_vocab_size()
+
+    @classmethod
+    def train(cls, pairs: list[tuple[str, str]], vocab_size: int, joint: bool = True, min_frequency: int = 2,
+              lowercase: bool = False) -> "Vocabulary":
+        if joint:
+            return cls(train_bpe(_both_sides(pairs), vocab_size, min_frequency, lowercase))
+        return cls(train_bpe((s for s, _ in pairs), vocab_size, min_frequency, lowercase),
+                   train_bpe((t for _, t in pairs), vocab_size, min_frequency, lowercase))
+
+    def save(self, folder: Path) -> None:
+        """Write tokenizer.json (joint) or tokenizer-source.json + tokenizer-target.json, atomically."""
+        files = {JOINT_FILE: self.source} if self.joint else {SOURCE_FILE: self.source, TARGET_FILE: self.target}
+        for name, tokenizer in files.items():
+            tmp = folder / f"{name}.tmp"
+            tmp.write_text(tokenizer.to_str())
+            tmp.replace(folder / name)
+
+    @classmethod
+    def load(cls, folder: Path) -> "Vocabulary":
+        folder = Path(folder)
+        if (folder / JOINT_FILE).is_file():
+            return cls(Tokenizer.from_file(str(folder / JOINT_FILE)))
+        if (folder / SOURCE_FILE).is_file() and (folder / TARGET_FILE).is_file():
+            return cls(Tokenizer.from_file(str(folder / SOURCE_FILE)), Tokenizer.from_file(str(folder / TARGET_FILE)))
+        raise CheckpointError(f"{folder}: no {JOINT_FILE} (or {SOURCE_FILE} + {TARGET_FILE}); "
+                              "is this a run folder written by `tformer train`?")
+
+    def fingerprint(self) -> str:
+        import hashlib
+
+        text = self.source.to_str() + ("" if self.joint else self.target.to_str())
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def encode_sources(self, texts: list[str]) -> list[list[int]]:
+        """Source ids end with EOS: x_1 ... x_n </s>."""
+        return [ids + [EOS_ID] for ids in _ids(self.source, texts)]
+
+    def encode_targets(self, texts: list[str]) -> list[list[int]]:
+        """Target ids are wrapped: <s> y_1 ... y_m </s>."""
+        return [[BOS_ID] + ids + [EOS_ID] for ids in _ids(self.target, texts)]
+
+    def decode_targets(self, sequences: Iterable[list[int]]) -> list[str]:
+        """Ids (specials dropped) back to text."""
+        return self.target.decode_batch([list(s) for s in sequences], skip_special_tokens=True)
+
+    def source_tokens(self, ids: list[int]) -> list[str]:
+        return [self.source.id_to_token(i) for i in ids]
+
+    def target_tokens(self, ids: list[int]) -> list[str]:
+        return [self.target.id_to_token(i) for i in ids]
+
+
+def _ids(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
+    return [encoding.ids for encoding in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+def _both_sides(pairs: list[tuple[str, str]]) -> Iterator[str]:
+    for source, target in pairs:
+        yield source
+        yield target

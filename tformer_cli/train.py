@@ -1,0 +1,310 @@
+"""The training loop: one explicit function, reading in order
+batch -> forward -> loss -> backward -> clip -> step -> schedule -> callback -> evaluation -> checkpoint.
+
+Progress leaves through ``callback(event, data)``; nothing here prints. Only rank 0 logs and saves,
+and batches are sharded by rank, so a DistributedDataParallel wrapper can slot in later.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tformer_cli.config import Config, TrainConfig
+from tformer_cli.data import EncodedSplit, collate, load_encoded, token_batches, train_or_load_vocabulary
+from tformer_cli.errors import CheckpointError, DataError, UsageError
+from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
+from tformer_cli.model import build_model
+from tformer_cli.runtime import (
+    WEIGHTS, append_jsonl, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint,
+    save_run_files, save_weights, seed_everything, set_rng_state, step_checkpoints)
+from tformer_cli.tokenizer import PAD_ID, Vocabulary
+
+Callback = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved in every checkpoint so that a resumed run continues exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # position in this epoch's batch order
+    target_tokens: int = 0
+    elapsed: float = 0.0  # seconds of training, summed over resumed sessions
+    best: float | None = None
+    best_step: int | None = None
+    evals_without_improvement: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    state: TrainState
+    stop_reason: str
+    last_eval: dict[str, Any] | None
+
+
+def learning_rate(step: int, cfg: TrainConfig, d_model: int) -> float:
+    """The learning rate for optimizer step ``step`` (1-based).
+
+    noam: lr * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)  (§5.3; lr is a scale factor)
+    inverse_sqrt: linear warmup to lr, then lr * sqrt(warmup / step)
+    cosine: linear warmup to lr, then cosine decay to min_lr at max_steps
+    constant: linear warmup to lr, then lr
+    """
+    step = max(step, 1)
+    warmup = cfg.warmup_steps
+    if cfg.schedule == "noam":
+        return cfg.lr * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    if warmup and step < warmup:
+        return cfg.lr * step / warmup
+    if cfg.schedule == "inverse_sqrt":
+        return cfg.lr * math.sqrt(max(warmup, 1) / step)
+    if cfg.schedule == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, cfg.max_steps - warmup))
+        return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+    return cfg.lr
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """Adam or AdamW; weight decay applies to matrices only (not biases, LayerNorms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    # The fused kernels are numerically the same algorithm, several times faster on CPU and CUDA.
+    return cls(groups, lr=0.0, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+
+
+class _Setup:
+    """Model, data and optimizer for a run, new or resumed."""
+
+    def __init__(self, config: Config, run_dir: Path, resume: bool, device: torch.device, notify: Callback) -> None:
+        self.config, self.run_dir, self.device = config, run_dir, device
+        data = config.data
+        if resume:
+            self.vocab = Vocabulary.load(run_dir)
+            save_run_files(run_dir, config, self.vocab)  # overrides given on resume are recorded
+        else:
+            notify("setup", {"message": "learning the BPE vocabulary"})
+            self.vocab = train_or_load_vocabulary(data)
+            save_run_files(run_dir, config, self.vocab)
+        notify("setup", {"message": "tokenising"})
+        self.train_data = load_encoded(data, data.train_split, self.vocab)
+        if len(self.train_data) == 0:
+            raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
+                            "raise data.max_length or set data.long_pairs: truncate")
+        self.valid_data = load_encoded(data, data.validation_split, self.vocab) if data.validation_split else None
+        seed_everything(config.train.seed)
+        self.model = build_model(config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(device)
+        self.optimizer = make_optimizer(self.model, config.train, device)
+        self.state = TrainState()
+        if resume:
+            self._restore()
+
+    def _restore(self) -> None:
+        checkpoints = step_checkpoints(self.run_dir)
+        if not checkpoints:
+            raise CheckpointError(f"{self.run_dir}: no checkpoint to resume from; start a new run instead")
+        saved = load_trainer_state(checkpoints[-1])
+        load_weights(self.model, checkpoints[-1] / WEIGHTS)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.state = TrainState(**saved["state"])
+        set_rng_state(saved["rng"])
+
+
+def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[str], output_dir: Path | None,
+                overwrite: bool = False) -> tuple[Config, Path]:
+    """The config and run folder for a new run or a resumed one.
+
+    Raises:
+        UsageError: neither or both of config and resume, or a new run would overwrite an old one.
+    """
+    from tformer_cli.config import load_config
+
+    if (config_path is None) == (resume is None):
+        raise UsageError("give either a CONFIG to start a run or --resume RUN_FOLDER to continue one")
+    if resume is not None:
+        if not (Path(resume) / "config.yaml").is_file():
+            raise CheckpointError(f"--resume {resume}: not a run folder (no config.yaml)")
+        config = load_config(Path(resume) / "config.yaml", overrides)
+        config.name = Path(resume).name
+        return config, Path(resume)
+    config = load_config(config_path, overrides)
+    run_dir = Path(output_dir or config.train.output_dir or Path("runs") / config.name)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not overwrite:
+            raise UsageError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, "
+                             "or pass --overwrite or another --output-dir")
+        shutil.rmtree(run_dir)
+    return config, run_dir
+
+
+def train(config: Config, run_dir: Path, resume: bool = False, callback: Callback | None = None,
+          rank: int = 0, world_size: int = 1) -> TrainResult:
+    """Train ``config`` into ``run_dir`` (or continue the run there when ``resume``)."""
+    notify: Callback = callback if callback and rank == 0 else (lambda event, data: None)
+    cfg = config.train
+    device = resolve_device(cfg.device)
+    setup = _Setup(config, run_dir, resume, device, notify)
+    model, optimizer, state, data = setup.model, setup.optimizer, setup.state, setup.train_data
+    loss_fn = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
+    amp = _autocast(device, cfg.precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    src_lengths, tgt_lengths = [len(s) for s in data.src], [len(t) for t in data.tgt]
+    steps_per_epoch = math.ceil(len(token_batches(src_lengths, tgt_lengths, cfg.max_tokens)) / cfg.grad_accum)
+    total_steps = _total_steps(cfg, steps_per_epoch)
+    notify("start", {"run_dir": str(run_dir), "device": str(device), "resumed_at": state.step,
+                     "parameters": sum(p.numel() for p in model.parameters()), "train_pairs": len(data),
+                     "validation_pairs": len(setup.valid_data) if setup.valid_data else 0,
+                     "dropped_long": data.dropped_long, "dropped_empty": data.dropped_empty,
+                     "truncated": data.truncated, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
+                     "vocab_size": setup.vocab.tgt_size, "epoch": state.epoch})
+    stop_reason, last_eval = None, None
+    window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
+    session_start, elapsed_before = time.perf_counter(), state.elapsed
+    model.train()
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt) if rank == 0 else None
+    try:
+        while stop_reason is None:
+            batches = token_batches(src_lengths, tgt_lengths, cfg.max_tokens, cfg.seed, state.epoch,
+                                    rank=rank, world_size=world_size)
+            while state.batch_in_epoch < len(batches) and stop_reason is None:
+                # batch: grad_accum consecutive batches make one optimizer step
+                group = [collate(data, ids) for ids in batches[state.batch_in_epoch:state.batch_in_epoch + cfg.grad_accum]]
+                group_tokens = sum(b.num_tokens for b in group)
+                nll_sum = 0.0
+                for batch in group:
+                    with amp:  # forward + loss
+                        loss, nll = loss_fn(model, batch.to(device), cfg.label_smoothing)
+                    scaler.scale(loss / group_tokens).backward()  # backward
+                    nll_sum += nll.item()
+                scaler.unscale_(optimizer)
+                if cfg.clip_grad_norm:  # clip
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                lr = learning_rate(state.step + 1, cfg, config.model.d_model)  # schedule
+                for param_group in optimizer.param_groups:
+                    param_group["lr"] = lr
+                scaler.step(optimizer)  # step
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                state.batch_in_epoch += len(group)
+                state.target_tokens += group_tokens
+                state.elapsed = elapsed_before + time.perf_counter() - session_start
+                window["loss"] += nll_sum
+                window["tokens"] += group_tokens
+                if state.step % cfg.log_every == 0:  # callback
+                    _log(notify, run_dir, state, window, lr, total_steps, rank)
+                stop_reason = _stop_reason(cfg, state, steps_per_epoch)
+                if setup.valid_data is not None and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
+                    last_eval = _evaluate(setup, state, notify, rank)
+                    if cfg.patience and state.evals_without_improvement >= cfg.patience and not stop_reason:
+                        stop_reason = f"no improvement in {cfg.patience} evaluations (early stopping)"
+                if state.step % cfg.eval_every == 0 or stop_reason:  # checkpoint
+                    _checkpoint(setup, notify, rank)
+            if state.batch_in_epoch >= len(batches):
+                state.epoch += 1
+                state.batch_in_epoch = 0
+                stop_reason = stop_reason or _stop_reason(cfg, state, steps_per_epoch)
+    except KeyboardInterrupt:
+        stop_reason = "interrupted"
+        optimizer.zero_grad(set_to_none=True)
+        _checkpoint(setup, notify, rank)
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+    notify("end", {"state": asdict(state), "stop_reason": stop_reason, "last_eval": last_eval})
+    return TrainResult(run_dir, state, stop_reason, last_eval)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def _total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
+    limits = [cfg.max_steps] if cfg.max_steps else []
+    if cfg.epochs:
+        limits.append(cfg.epochs * steps_per_epoch)
+    return min(limits) if limits else None
+
+
+def _stop_reason(cfg: TrainConfig, state: TrainState, steps_per_epoch: int) -> str | None:
+    if cfg.max_steps and state.step >= cfg.max_steps:
+        return f"reached train.max_steps {cfg.max_steps}"
+    if cfg.epochs and state.epoch >= cfg.epochs:
+        return f"reached train.epochs {cfg.epochs}"
+    if cfg.max_time and state.elapsed >= cfg.max_time:
+        return f"reached train.max_time {cfg.max_time:g} s"
+    return None
+
+
+def _log(notify: Callback, run_dir: Path, state: TrainState, window: dict, lr: float, total: int | None,
+         rank: int) -> None:
+    now = time.perf_counter()
+    loss = window["loss"] / max(window["tokens"], 1)
+    record = {"step": state.step, "epoch": state.epoch, "loss": loss, "ppl": math.exp(min(loss, 50)), "lr": lr,
+              "tokens_per_s": window["tokens"] / max(now - window["start"], 1e-9), "elapsed": state.elapsed,
+              "total_steps": total}
+    if rank == 0:
+        append_jsonl(run_dir / "metrics.jsonl", {"split": "train", **record})
+    notify("step", record)
+    window.update(loss=0.0, tokens=0, start=now)
+
+
+def _evaluate(setup: _Setup, state: TrainState, notify: Callback, rank: int) -> dict[str, Any]:
+    """Validation loss (and BLEU when configured); track the best weights and early stopping."""
+    from tformer_cli.evaluation import validation_bleu
+
+    cfg = setup.config.train
+    notify("evaluating", {"step": state.step})
+    start = time.perf_counter()
+    result = evaluate_loss(setup.model, setup.valid_data, cfg.max_tokens, setup.device)
+    record: dict[str, Any] = {"step": state.step, "loss": result.loss, "ppl": result.perplexity}
+    if cfg.eval_bleu or cfg.best_metric == "bleu":
+        record.update(validation_bleu(setup.model, setup.vocab, setup.valid_data, setup.config.decode,
+                                      cfg.eval_max_sentences, setup.device))
+    record["seconds"] = time.perf_counter() - start
+    metric = -record["bleu"] if cfg.best_metric == "bleu" else record["loss"]
+    improved = state.best is None or metric < state.best
+    if improved:
+        state.best, state.best_step, state.evals_without_improvement = metric, state.step, 0
+        if rank == 0:
+            save_weights(setup.model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
+    else:
+        state.evals_without_improvement += 1
+    record["best"] = improved
+    state.history.append(record)
+    if rank == 0:
+        append_jsonl(setup.run_dir / "metrics.jsonl", {"split": "validation", **record})
+    notify("eval", record)
+    return record
+
+
+def _checkpoint(setup: _Setup, notify: Callback, rank: int) -> None:
+    if rank != 0:
+        return
+    state = setup.state
+    trainer_state = {"optimizer": setup.optimizer.state_dict(), "state": asdict(state), "rng": rng_state()}
+    path = save_checkpoint(setup.run_dir, state.step, setup.model, trainer_state, setup.config.train.keep_last)
+    if setup.valid_data is None:  # no validation: the latest weights are the run's weights
+        save_weights(setup.model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
+    notify("checkpoint", {"step": state.step, "path": str(path)})
