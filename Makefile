@@ -24,6 +24,11 @@ install: $(STAMP) ## Create .venv and install tformer with test tools (TORCH=...
 test: $(STAMP) ## Run the test suite
 	$(BIN)/pytest
 
+demo: $(STAMP) ## Train the bundled number-words demo (a few minutes on 2 cores), evaluate it, translate
+	$(BIN)/tformer train configs/demo.yaml --overwrite
+	$(BIN)/tformer eval runs/demo --split test
+	$(BIN)/tformer generate runs/demo "twenty-one" "three hundred forty-two thousand fifteen" "seven hundred"
+
 clean: ## Remove the venv, caches and runs
 	rm -rf $(VENV) runs .pytest_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -12,7 +12,7 @@ import typer
 from typer.core import TyperGroup
 
 from tformer_cli import __version__
-from tformer_cli.errors import TformerError
+from tformer_cli.errors import TformerError, UsageError
 
 ADVANCED = "Advanced"
 
@@ -139,6 +139,119 @@ def train(
                     "elapsed": result.state.elapsed, "last_eval": result.last_eval})
     if result.stop_reason == "interrupted":
         raise typer.Exit(130)
+
+
+RunArg = Annotated[Path, typer.Argument(help="Run folder (or a checkpoint folder inside it).")]
+BeamOpt = Annotated[Optional[int], typer.Option("--beam", help="Beam size; 1 is greedy (default: config).")]
+BatchOpt = Annotated[Optional[int], typer.Option(help="Sentences per batch (default: config).",
+                                                 rich_help_panel=ADVANCED)]
+AlphaOpt = Annotated[Optional[float], typer.Option(help="GNMT length penalty alpha.", rich_help_panel=ADVANCED)]
+
+
+@app.command("eval")
+def eval_command(
+    run: RunArg,
+    split: Annotated[str, typer.Option(help="Split of the run's dataset: train, validation, test.")] = "test",
+    beam: BeamOpt = None,
+    output: Annotated[Optional[Path], typer.Option(help="Write hypotheses here, one a line, in input order.")] = None,
+    data_files: Annotated[Optional[list[Path]], typer.Option(
+        help="Evaluate these files instead (jsonl/csv/parquet, or source + target text files).")] = None,
+    source_field: Annotated[Optional[str], typer.Option(help="Source field of --data-files.")] = None,
+    target_field: Annotated[Optional[str], typer.Option(help="Target field of --data-files.")] = None,
+    max_samples: Annotated[Optional[int], typer.Option(help="Only the first N pairs.")] = None,
+    batch_size: BatchOpt = None,
+    length_penalty: AlphaOpt = None,
+    device: DeviceOpt = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Score a trained model: loss, perplexity, BLEU, chrF, exact match and decoding speed.
+
+    [dim]Examples:[/]
+      tformer eval runs/demo
+      tformer eval runs/demo --split validation --beam 1 --output hyps.txt --json
+      tformer eval runs/demo --data-files my.jsonl --source-field en --target-field de
+    """
+    from dataclasses import replace
+
+    from tformer_cli.decoding import DecodeOptions
+    from tformer_cli.evaluation import evaluate_run
+    from tformer_cli.render import eval_table, print_json
+    from tformer_cli.runtime import load_run, resolve_device
+
+    dev = resolve_device(device or "auto")
+    loaded = load_run(run, dev)
+    data = loaded.config.data
+    if data_files:
+        data = replace(data, data_files={split: [str(f) for f in data_files]}, format="auto")
+    data = replace(data, source=source_field or data.source, target=target_field or data.target,
+                   max_samples=max_samples)
+    options = DecodeOptions.from_config(loaded.config.decode, beam_size=beam, length_penalty=length_penalty)
+    result = evaluate_run(loaded.model, loaded.vocab, data, split, options, batch_size or loaded.config.decode.batch_size,
+                          loaded.config.train.max_tokens, dev)
+    hypotheses = result.pop("hypotheses")
+    if output:
+        output.write_text("".join(h + "\n" for h in hypotheses))
+    result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam=options.beam_size)
+    print_json(result) if json_output else eval_table(result)
+
+
+@app.command()
+def generate(
+    run: RunArg,
+    texts: Annotated[Optional[list[str]], typer.Argument(help="Texts to translate; none: read stdin lines.")] = None,
+    beam: BeamOpt = None,
+    sample: Annotated[bool, typer.Option("--sample", help="Sample instead of searching.")] = False,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Sample from the smallest set with mass p.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible samples.")] = None,
+    nbest: Annotated[int, typer.Option(help="Hypotheses per input (tab-separated in plain output).")] = 1,
+    max_len: Annotated[Optional[int], typer.Option(help="At most this many output tokens.")] = None,
+    batch_size: BatchOpt = None,
+    length_penalty: AlphaOpt = None,
+    device: DeviceOpt = None,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object a line.")] = False,
+) -> None:
+    """Translate texts given as arguments, or standard input line by line (one output line per input).
+
+    [dim]Examples:[/]
+      tformer generate runs/demo "twenty-one" "three hundred forty-two thousand fifteen"
+      cat numbers.txt | tformer generate runs/demo --beam 4 > german.txt
+      tformer generate runs/demo "seven" --sample --temperature 0.8 --top-p 0.9 --seed 1 --nbest 3 --json
+    """
+    import sys
+
+    from tformer_cli.decoding import DecodeOptions, translate
+    from tformer_cli.render import generation_lines, warn
+    from tformer_cli.runtime import load_run, resolve_device
+
+    dev = resolve_device(device or "auto")
+    loaded = load_run(run, dev)
+    if nbest < 1:
+        raise UsageError(f"--nbest {nbest}: must be >= 1")
+    limits = {"max_len_a": 0.0, "max_len_b": max_len} if max_len else {}
+    options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam, sample=sample,
+                                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, nbest=nbest,
+                                        length_penalty=length_penalty, **limits)
+    size = batch_size or loaded.config.decode.batch_size
+    lines = iter(texts) if texts else (line.rstrip("\r\n") for line in sys.stdin)
+    for chunk in _chunks(lines, size if not texts else len(texts)):
+        for result in translate(loaded.model, loaded.vocab, chunk, options, size, dev):
+            if result.truncated:
+                warn(f"input longer than the model's {loaded.config.model.max_len} positions was truncated: "
+                     f"{result.source[:40]}…")
+            generation_lines(result, json_output)
+
+
+def _chunks(lines, size: int):
+    chunk = []
+    for line in lines:
+        chunk.append(line)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tformer_cli.config import DecodeConfig
 from tformer_cli.tokenizer import BOS_ID, EOS_ID, Vocabulary
 
 
@@ -27,6 +28,18 @@ class DecodeOptions:
     max_len_b: int = 10
     min_length: int = 0  # EOS is forbidden before this many tokens
     nbest: int = 1
+
+    @classmethod
+    def from_config(cls, decode: "DecodeConfig", **overrides) -> "DecodeOptions":
+        """The config's decode section, with the given (non-None) values taking precedence."""
+        values = dict(beam_size=decode.beam_size, temperature=decode.temperature, top_k=decode.top_k,
+                      top_p=decode.top_p, length_penalty=decode.length_penalty, max_len_a=decode.max_len_a,
+                      max_len_b=decode.max_len_b)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        options = cls(**values)
+        if options.nbest > options.beam_size and not options.sample:
+            options.beam_size = options.nbest  # n-best lists need at least n beams
+        return options
 
 
 @dataclass
@@ -147,7 +160,7 @@ def beam_search(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> 
         history = torch.cat([history[origin], token[:, None]], dim=1)
         scores, last = live_scores, token[:, None]
         cache.select(origin)
-        done = _sentences_done(finished, alive, live_scores, t + 1, limits, options)
+        done = _sentences_done(finished, alive, live_scores, history, t + 1, limits, options)
         if all(done):
             break
         if any(done):
@@ -159,21 +172,23 @@ def beam_search(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> 
     return [sorted(hyps, key=lambda h: -h.normalized)[: options.nbest] for hyps in finished]
 
 
-def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_scores: Tensor, length: int,
-                    limits: list[int], options: DecodeOptions) -> list[bool]:
+def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_scores: Tensor, history: Tensor,
+                    length: int, limits: list[int], options: DecodeOptions) -> list[bool]:
     """Per alive sentence: finished hypotheses can no longer be beaten, or the length limit is hit.
 
     With alpha >= 0, a live beam's best reachable normalised score is its current score (scores only
     fall) divided by the largest penalty it can still get, at its length limit.
     """
     done = []
+    K = live_scores.shape[1]
     best_live = live_scores[:, 0].tolist()
     for row, sentence in enumerate(alive):
         hyps = finished[sentence]
         if length >= limits[sentence]:
-            if len(hyps) < options.nbest:  # out of length: the live beams end here, without EOS
-                hyps.extend(Hypothesis([], s, s / _length_penalty(length, options.length_penalty))
-                            for s in live_scores[row].tolist()[: options.nbest - len(hyps)])
+            missing = options.nbest - len(hyps)  # out of length: the best live beams end here, without EOS
+            for k, score in enumerate(live_scores[row, :max(missing, 0)].tolist()):
+                hyps.append(Hypothesis(history[row * K + k].tolist(), score,
+                                       score / _length_penalty(length, options.length_penalty)))
             done.append(True)
             continue
         bound = best_live[row] / _length_penalty(limits[sentence], options.length_penalty)
@@ -189,21 +204,30 @@ def decode_batch(model: torch.nn.Module, src: Tensor, options: DecodeOptions) ->
     return [[h] for h in greedy_or_sample(model, src, options)]
 
 
+@dataclass
+class Translation:
+    source: str
+    outputs: list[tuple[str, Hypothesis]]  # best first; text and hypothesis
+    truncated: bool = False  # the source was longer than the model's positions
+
+
 def translate(model: torch.nn.Module, vocab: Vocabulary, texts: list[str], options: DecodeOptions,
-              batch_size: int = 64, device: torch.device | str = "cpu") -> list[list[tuple[str, Hypothesis]]]:
+              batch_size: int = 64, device: torch.device | str = "cpu") -> list[Translation]:
     """Translate texts in length-sorted batches; results come back in input order.
 
-    Sources longer than the model's positions are truncated (keeping the closing EOS).
+    Empty texts give an empty output without running the model; sources longer than the model's
+    positions are truncated (keeping the closing EOS) and flagged.
     """
     from tformer_cli.data import pad_sequences
 
     max_len = model.encoder.embed.max_len
-    ids = [s[: max_len - 1] + s[-1:] if len(s) > max_len else s for s in vocab.encode_sources(texts)]
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    results: list[list[tuple[str, Hypothesis]]] = [[] for _ in texts]
+    ids = vocab.encode_sources(texts)
+    results = [Translation(text, [("", Hypothesis([], 0.0, 0.0))], len(s) > max_len) for text, s in zip(texts, ids)]
+    ids = [s[: max_len - 1] + s[-1:] if len(s) > max_len else s for s in ids]
+    order = sorted((i for i, text in enumerate(texts) if text.strip()), key=lambda i: len(ids[i]))
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         src = pad_sequences([ids[i] for i in chunk]).to(device)
         for i, hyps in zip(chunk, decode_batch(model, src, options)):
-            results[i] = list(zip(vocab.decode_targets([h.tokens for h in hyps]), hyps))
+            results[i].outputs = list(zip(vocab.decode_targets([h.tokens for h in hyps]), hyps))
     return results

@@ -7,7 +7,7 @@ projection and softmax, which dominate a small model's cost, are computed at non
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -83,5 +83,28 @@ def validation_bleu(model: torch.nn.Module, vocab, split: EncodedSplit, decode_c
     options = DecodeOptions(beam_size=1, max_len_a=decode_cfg.max_len_a, max_len_b=decode_cfg.max_len_b)
     results = translate(model, vocab, [source for source, _ in pairs], options, decode_cfg.batch_size, device)
     model.train(was_training)
-    scores = corpus_scores([hyps[0][0] for hyps in results], [target for _, target in pairs])
+    scores = corpus_scores([r.outputs[0][0] for r in results], [target for _, target in pairs])
     return {key: scores[key] for key in ("bleu", "chrf", "exact_match")}
+
+
+def evaluate_run(model: torch.nn.Module, vocab, data_cfg, split: str, options, batch_size: int,
+                 max_tokens: int, device: torch.device | str = "cpu") -> dict:
+    """Teacher-forced loss and perplexity, then decoding: BLEU (cased and lowercased), chrF, exact match
+    and speed, on one split. Returns the figures and the hypotheses in input order."""
+    import time
+
+    from tformer_cli.data import encode_split, load_pairs
+    from tformer_cli.decoding import translate
+
+    pairs = load_pairs(data_cfg, split)
+    encoded = encode_split(pairs, vocab, replace(data_cfg, long_pairs="truncate"))
+    loss = evaluate_loss(model, encoded, max_tokens, device)
+    start = time.perf_counter()
+    results = translate(model, vocab, [source for source, _ in pairs], options, batch_size, device)
+    seconds = time.perf_counter() - start
+    hypotheses = [r.outputs[0][0] for r in results]
+    generated = sum(len(r.outputs[0][1].tokens) + 1 for r in results)  # EOS included
+    return {"split": split, "sentences": len(pairs), "loss": loss.loss, "perplexity": loss.perplexity,
+            **corpus_scores(hypotheses, [target for _, target in pairs]),
+            "decode_seconds": seconds, "sentences_per_s": len(pairs) / seconds, "tokens_per_s": generated / seconds,
+            "hypotheses": hypotheses}

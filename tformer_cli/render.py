@@ -175,3 +175,37 @@ class TrainProgress:
         if state.get("best_step") is not None:
             table.add_row("best step", f"{state['best_step']:,}")
         err_console.print(table)
+
+
+def warn(message: str) -> None:
+    from rich.text import Text
+
+    err_console.print(Text.assemble(("warning: ", "bold yellow"), message), soft_wrap=True)
+
+
+def eval_table(result: dict[str, Any]) -> None:
+    table = Table(title=f"{result['run']} · {result['split']} · beam {result['beam']}", title_justify="left",
+                  box=box.SIMPLE_HEAD)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [("sentences", f"{result['sentences']:,}"), ("loss (nats/token)", f"{result['loss']:.4f}"),
+            ("perplexity", f"{result['perplexity']:.3f}"), ("BLEU", f"{result['bleu']:.2f}"),
+            ("BLEU, lowercased", f"{result['bleu_lowercase']:.2f}"), ("chrF", f"{result['chrf']:.2f}"),
+            ("exact match", f"{result['exact_match']:.2f} %"),
+            ("sentences / s", f"{result['sentences_per_s']:,.1f}"), ("tokens / s", f"{result['tokens_per_s']:,.0f}")]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    console.print(f"[dim]sacreBLEU {result['bleu_signature']}[/]", highlight=False)
+
+
+def generation_lines(result, as_json: bool) -> None:
+    """One line per input: the best output (n-best tab-separated), or one JSON object."""
+    if as_json:
+        print_json({"input": result.source, "outputs": [text for text, _ in result.outputs],
+                    "scores": [hyp.score for _, hyp in result.outputs],
+                    "normalized_scores": [hyp.normalized for _, hyp in result.outputs],
+                    "truncated": result.truncated})
+    else:
+        sys.stdout.write("\t".join(text for text, _ in result.outputs) + "\n")
+        sys.stdout.flush()

@@ -1,0 +1,87 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import write_config
+from tformer_cli.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory):
+    """A tiny run trained once through the CLI for the tests of eval and generate."""
+    folder = tmp_path_factory.mktemp("cli")
+    config = write_config(folder / "tiny.yaml", train={"max_steps": 30, "eval_every": 15, "eval_max_sentences": 10},
+                          data={"max_samples": 400})
+    result = runner.invoke(app, ["train", str(config), "--output-dir", str(folder / "run"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return folder / "run"
+
+
+def test_help_lists_every_command():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("train", "eval", "generate", "count-params"):
+        assert command in result.output
+
+
+def test_train_json_summary_and_resume_refusal(run_dir, tmp_path):
+    result = runner.invoke(app, ["train", "--resume", str(run_dir), "--set", "train.max_steps=31", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["step"] == 31 and summary["stop_reason"] == "reached train.max_steps 31"
+    again = runner.invoke(app, ["train", str(run_dir / "config.yaml"), "--output-dir", str(run_dir)])
+    assert again.exit_code == 1 and "already holds a run" in again.output
+
+
+def test_eval_reports_scores_and_writes_hypotheses(run_dir, tmp_path):
+    out = tmp_path / "hyps.txt"
+    result = runner.invoke(app, ["eval", str(run_dir), "--split", "validation", "--max-samples", "12", "--beam", "2",
+                                 "--output", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    scores = json.loads(result.stdout)
+    assert scores["sentences"] == 12 and scores["beam"] == 2
+    assert {"bleu", "bleu_lowercase", "chrf", "exact_match", "loss", "perplexity", "sentences_per_s"} <= set(scores)
+    assert len(out.read_text().splitlines()) == 12
+    table = runner.invoke(app, ["eval", str(run_dir), "--max-samples", "5", "--beam", "1"])
+    assert table.exit_code == 0 and "BLEU" in table.output and "sacreBLEU nrefs:1" in table.output
+
+
+def test_eval_on_other_files(run_dir, tmp_path):
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"number": "seven", "zahl": "sieben"}\n{"number": "ten", "zahl": "zehn"}\n')
+    result = runner.invoke(app, ["eval", str(run_dir), "--data-files", str(data), "--source-field", "number",
+                                 "--target-field", "zahl", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["sentences"] == 2
+
+
+def test_generate_from_arguments_and_stdin_one_line_per_input(run_dir):
+    args = runner.invoke(app, ["generate", str(run_dir), "seven", "twenty-one"])
+    assert args.exit_code == 0, args.output
+    assert len(args.stdout.splitlines()) == 2
+    lines = "seven\n\nthree hundred\n" + "nine " * 200 + "\nüñíçødé ☃\n"
+    piped = runner.invoke(app, ["generate", str(run_dir), "--beam", "2"], input=lines)
+    assert piped.exit_code == 0, piped.output
+    outputs = piped.stdout.splitlines()
+    assert len(outputs) == 5 and outputs[1] == ""
+    assert "truncated" in piped.stderr
+
+
+def test_generate_json_sampling_and_nbest(run_dir):
+    result = runner.invoke(app, ["generate", str(run_dir), "seven", "--json", "--nbest", "3"])
+    record = json.loads(result.stdout)
+    assert record["input"] == "seven" and len(record["outputs"]) == 3 and len(record["scores"]) == 3
+    sample = ["generate", str(run_dir), "seven", "eight", "--sample", "--temperature", "1.5", "--seed", "4", "--json"]
+    first, second = runner.invoke(app, sample), runner.invoke(app, sample)
+    assert first.exit_code == 0 and first.stdout == second.stdout
+
+
+def test_missing_run_folder_is_a_one_line_error(tmp_path):
+    for command in (["eval", str(tmp_path / "nope")], ["generate", str(tmp_path / "nope"), "x"],
+                    ["train", "--resume", str(tmp_path)]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 1, command
+        assert result.output.count("\n") == 1 and result.output.startswith("error: "), result.output

@@ -1,0 +1,111 @@
+import pytest
+import torch
+
+from conftest import tiny_model_config
+from tformer_cli.decoding import DecodeOptions, beam_search, decode_batch, greedy_or_sample, translate
+from tformer_cli.model import build_model
+from tformer_cli.tokenizer import BOS_ID, EOS_ID, Vocabulary
+
+VOCAB = 24
+
+
+@pytest.fixture
+def model():
+    model = build_model(tiny_model_config(), VOCAB).eval()
+    with torch.no_grad():  # make EOS reasonably likely so that sentences finish at different steps
+        model.output_proj.weight[EOS_ID] *= 3
+    return model
+
+
+def _sources():
+    src = torch.randint(4, VOCAB, (5, 7))
+    src[:, -1] = EOS_ID
+    src[1, 3:] = 0
+    src[3, 5:] = 0
+    return src
+
+
+def _uncached_greedy(model, src, steps):
+    """Reference: recompute the whole prefix at every step, no cache, no pruning."""
+    ys = torch.full((src.shape[0], 1), BOS_ID)
+    for _ in range(steps):
+        logits = model(src, ys)[:, -1]
+        ys = torch.cat([ys, logits.argmax(-1, keepdim=True)], dim=1)
+    return ys[:, 1:]
+
+
+def _trim(row):
+    return row[: row.index(EOS_ID)] if EOS_ID in row else row
+
+
+def test_cached_greedy_with_pruning_equals_uncached_recomputation(model):
+    src = _sources()
+    options = DecodeOptions(max_len_a=0, max_len_b=12)
+    ours = greedy_or_sample(model, src, options)
+    reference = _uncached_greedy(model, src, 12).tolist()
+    assert [h.tokens for h in ours] == [_trim(r) for r in reference]
+    assert len({len(h.tokens) for h in ours}) > 1  # sentences finished at different steps
+    with torch.no_grad():  # scores are the model's log-probabilities of the output (EOS included)
+        for row, hyp in zip(src, ours):
+            target = hyp.tokens + ([EOS_ID] if len(hyp.tokens) < 12 else [])
+            tgt = torch.tensor([[BOS_ID] + target])
+            log_probs = model(row[None], tgt[:, :-1]).log_softmax(-1)
+            expected = log_probs[0, torch.arange(len(target)), torch.tensor(target)].sum().item()
+            assert hyp.score == pytest.approx(expected, abs=1e-4)
+
+
+def test_beam_of_one_equals_greedy(model):
+    src = _sources()
+    greedy = greedy_or_sample(model, src, DecodeOptions(max_len_a=0, max_len_b=10))
+    beam = beam_search(model, src, DecodeOptions(beam_size=1, length_penalty=0.0, max_len_a=0, max_len_b=10))
+    assert [b[0].tokens for b in beam] == [g.tokens for g in greedy]
+
+
+def test_beam_search_scores_at_least_as_well_as_greedy(model):
+    src = _sources()
+    options = dict(length_penalty=0.0, max_len_a=0, max_len_b=10)
+    greedy = greedy_or_sample(model, src, DecodeOptions(**options))
+    beams = beam_search(model, src, DecodeOptions(beam_size=4, nbest=3, **options))
+    for g, hyps in zip(greedy, beams):
+        assert hyps[0].score >= g.score - 1e-5
+        assert len(hyps) == 3 and [h.normalized for h in hyps] == sorted((h.normalized for h in hyps), reverse=True)
+
+
+def test_low_temperature_and_top_k_one_sampling_equal_greedy(model):
+    src = _sources()
+    greedy = [h.tokens for h in greedy_or_sample(model, src, DecodeOptions(max_len_a=0, max_len_b=10))]
+    for options in (DecodeOptions(sample=True, temperature=0.0), DecodeOptions(sample=True, temperature=1e-4),
+                    DecodeOptions(sample=True, top_k=1, seed=3), DecodeOptions(sample=True, top_p=1e-6, seed=3)):
+        options.max_len_a, options.max_len_b = 0, 10
+        assert [h.tokens for h in greedy_or_sample(model, src, options)] == greedy
+
+
+def test_seeds_reproduce_samples(model):
+    src = _sources()
+
+    def draw(seed):
+        options = DecodeOptions(sample=True, temperature=1.5, top_p=0.95, seed=seed, max_len_a=0, max_len_b=10)
+        return [h.tokens for h in greedy_or_sample(model, src, options)]
+
+    assert draw(1) == draw(1)
+    assert draw(1) != draw(2)
+
+
+def test_min_length_forces_exactly_n_tokens(model):
+    src = _sources()
+    for hyps in decode_batch(model, src, DecodeOptions(beam_size=3, min_length=9, max_len_a=0, max_len_b=9)):
+        assert len(hyps[0].tokens) == 9 and EOS_ID not in hyps[0].tokens
+    for hyp in greedy_or_sample(model, src, DecodeOptions(min_length=9, max_len_a=0, max_len_b=9)):
+        assert len(hyp.tokens) == 9
+
+
+def test_translate_keeps_input_order_and_handles_empty_and_long_inputs(model):
+    vocab = Vocabulary.train([("a b c d e f", "a b c d e f")] * 3, vocab_size=VOCAB, min_frequency=1)
+    texts = ["a b", "", "a b c d e f " * 30, "c", "   "]
+    options = DecodeOptions(max_len_a=0, max_len_b=5)
+    results = translate(model, vocab, texts, options, batch_size=2)
+    assert [r.source for r in results] == texts
+    assert results[1].outputs[0][0] == "" and results[4].outputs[0][0] == ""
+    assert results[2].truncated and not results[0].truncated
+    alone = translate(model, vocab, ["c"], options)[0]
+    assert alone.outputs[0][1].tokens == results[3].outputs[0][1].tokens
