@@ -46,3 +46,18 @@ def tiny_model_config(**overrides):
                   max_len=64)
     values.update(overrides)
     return ModelConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, _cache):
+    """A tiny run trained once through the CLI, for the tests of eval, generate and inspect-attention."""
+    from typer.testing import CliRunner
+
+    from tformer_cli.cli import app
+
+    folder = tmp_path_factory.mktemp("cli")
+    config = write_config(folder / "tiny.yaml", train={"max_steps": 30, "eval_every": 15, "eval_max_sentences": 10},
+                          data={"max_samples": 400})
+    result = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(folder / "run"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return folder / "run"

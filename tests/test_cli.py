@@ -3,21 +3,14 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from conftest import write_config
 from tformer_cli.cli import app
 
 runner = CliRunner()
 
 
-@pytest.fixture(scope="session")
-def run_dir(tmp_path_factory):
-    """A tiny run trained once through the CLI for the tests of eval and generate."""
-    folder = tmp_path_factory.mktemp("cli")
-    config = write_config(folder / "tiny.yaml", train={"max_steps": 30, "eval_every": 15, "eval_max_sentences": 10},
-                          data={"max_samples": 400})
-    result = runner.invoke(app, ["train", str(config), "--output-dir", str(folder / "run"), "--quiet"])
-    assert result.exit_code == 0, result.output
-    return folder / "run"
+@pytest.fixture
+def run_dir(trained_run):
+    return trained_run
 
 
 def test_help_lists_every_command():

@@ -243,6 +243,47 @@ def generate(
             generation_lines(result, json_output)
 
 
+@app.command("inspect-attention")
+def inspect_attention(
+    run: RunArg,
+    source: Annotated[str, typer.Argument(help="The source sentence.")],
+    target: Annotated[Optional[str], typer.Option(help="Target text (default: the model's greedy output).")] = None,
+    kind: Annotated[str, typer.Option(help="cross | encoder | decoder")] = "cross",
+    layer: Annotated[str, typer.Option(help="Layer N (1-based), last, or all.")] = "all",
+    head: Annotated[str, typer.Option(help="Head N (1-based), mean, or all.")] = "mean",
+    values: Annotated[bool, typer.Option("--values", help="Print the weights in the cells.")] = False,
+    save: Annotated[Optional[Path], typer.Option(help="Also draw the maps to an image (.png, .svg, .pdf).")] = None,
+    device: DeviceOpt = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the weights and tokens as JSON.")] = False,
+) -> None:
+    """Show attention maps for one sentence: queries as rows, keys as columns, strongest key marked.
+
+    [dim]Examples:[/]
+      tformer inspect-attention runs/demo "twenty-one"
+      tformer inspect-attention runs/demo "three hundred forty-two" --layer 2 --head all
+      tformer inspect-attention runs/demo "twenty-one" --kind encoder --save attention.png
+    """
+    from tformer_cli.introspect import capture_attention, maps_to_json, select_maps
+    from tformer_cli.render import console, print_json
+    from tformer_cli.render_attention import print_maps, save_image
+    from tformer_cli.runtime import load_run, resolve_device
+
+    if save is not None and save.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise UsageError(f"--save {save}: use a .png, .svg or .pdf file name")
+    loaded = load_run(run, resolve_device(device or "auto"))
+    capture = capture_attention(loaded.model, loaded.vocab, source, target)
+    maps = select_maps(capture, kind, layer, head)
+    if save is not None:
+        save_image(maps, save)
+    if json_output:
+        print_json(maps_to_json(capture, kind, maps))
+        return
+    console.print(f"[bold]source[/] {source}\n[bold]target[/] {capture.target_text}", highlight=False)
+    print_maps(maps, console, values)
+    if save is not None:
+        console.print(f"[dim]saved {save}[/]")
+
+
 def _chunks(lines, size: int):
     chunk = []
     for line in lines:

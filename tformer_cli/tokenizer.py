@@ -24,7 +24,8 @@ def _new_tokenizer(lowercase: bool) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(unk_token=UNK))
     steps = [normalizers.NFC()] + ([normalizers.Lowercase()] if lowercase else [])
     tokenizer.normalizer = normalizers.Sequence(steps)
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    # Words keep their leading space as "▁"; punctuation becomes tokens of its own ("forty", "-", "two").
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()])
     tokenizer.decoder = decoders.Metaspace()
     return tokenizer
 

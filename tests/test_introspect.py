@@ -1,0 +1,144 @@
+import json
+import math
+
+import pytest
+import torch
+from rich.console import Console
+from typer.testing import CliRunner
+
+from conftest import tiny_model_config
+from tformer_cli.cli import app
+from tformer_cli.errors import UsageError
+from tformer_cli.introspect import capture_attention, maps_to_json, select_maps
+from tformer_cli.model import build_model
+from tformer_cli.render_attention import heatmap, save_image
+from tformer_cli.tokenizer import Vocabulary
+
+TEXTS = ["three hundred forty-two thousand fifteen", "dreihundertzweiundvierzigtausendfünfzehn", "twenty-one",
+         "einundzwanzig"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    vocab = Vocabulary.train([(TEXTS[0], TEXTS[1]), (TEXTS[2], TEXTS[3])], vocab_size=60, min_frequency=1)
+    model = build_model(tiny_model_config(num_encoder_layers=2, num_decoder_layers=3), vocab.src_size).eval()
+    return model, vocab
+
+
+def test_captured_maps_are_distributions_with_causal_and_padding_structure(setup):
+    model, vocab = setup
+    capture = capture_attention(model, vocab, TEXTS[0], TEXTS[1])
+    S, T = len(capture.source_tokens), len(capture.decoder_inputs)
+    assert capture.encoder.shape == (2, 4, S, S) and capture.decoder.shape == (3, 4, T, T)
+    assert capture.cross.shape == (3, 4, T, S)
+    for weights in (capture.encoder, capture.decoder, capture.cross):
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+    assert torch.all(capture.decoder.triu(1) == 0)
+    assert capture.decoder_outputs[-1] == "</s>" and capture.decoder_inputs[0] == "<s>"
+    src = torch.tensor([vocab.encode_sources([TEXTS[2]])[0] + [0, 0, 0]])  # padded keys get no weight
+    assert torch.all(model.encode(src, need_weights=True).attention[0][..., -3:] == 0)
+
+
+def test_captured_weights_equal_softmax_of_q_and_k_computed_by_hand(setup):
+    model, vocab = setup
+    capture = capture_attention(model, vocab, TEXTS[2], TEXTS[3])
+    src = torch.tensor([vocab.encode_sources([TEXTS[2]])[0]])
+    tgt_in = torch.tensor([vocab.encode_targets([TEXTS[3]])[0][:-1]])
+    H, d_k = 4, 8
+
+    def heads(x):  # (1, T, d) -> (H, T, d_k)
+        return x.view(x.shape[1], H, d_k).transpose(0, 1)
+
+    def by_hand(q, k, causal=False):
+        scores = heads(q) @ heads(k).transpose(-1, -2) / math.sqrt(d_k)
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        return scores.softmax(-1)
+
+    with torch.no_grad():
+        x = model.encoder.embed(src)
+        q, k, _ = model.encoder.layers[0].self_attn.qkv_proj(x).chunk(3, dim=-1)
+        torch.testing.assert_close(capture.encoder[0], by_hand(q, k), atol=1e-5, rtol=1e-5)
+        memory = model.encode(src).memory
+        y = model.decoder.embed(tgt_in)
+        layer = model.decoder.layers[0]
+        q, k, _ = layer.self_attn.qkv_proj(y).chunk(3, dim=-1)
+        torch.testing.assert_close(capture.decoder[0], by_hand(q, k, causal=True), atol=1e-5, rtol=1e-5)
+        h = layer.norm1(y + layer.self_attn(y, is_causal=True)[0])  # post-LN output of the first sublayer
+        k_mem, _ = layer.cross_attn.kv_proj(memory).chunk(2, dim=-1)
+        torch.testing.assert_close(capture.cross[0], by_hand(layer.cross_attn.q_proj(h), k_mem), atol=1e-5, rtol=1e-5)
+
+
+def test_without_a_target_the_greedy_output_is_used(setup):
+    model, vocab = setup
+    capture = capture_attention(model, vocab, TEXTS[2])
+    assert capture.decoder.shape[-1] == len(capture.decoder_inputs) >= 1
+
+
+def test_selection_of_layers_and_heads(setup):
+    model, vocab = setup
+    capture = capture_attention(model, vocab, TEXTS[0], TEXTS[1])
+    assert len(select_maps(capture, "cross", "all", "mean")) == 3
+    assert len(select_maps(capture, "encoder", "2", "all")) == 4
+    one = select_maps(capture, "decoder", "last", "2")
+    assert one[0].layer == 3 and one[0].head == 2 and torch.equal(one[0].weights, capture.decoder[2, 1])
+    mean = select_maps(capture, "cross", "1", "mean")[0]
+    torch.testing.assert_close(mean.weights, capture.cross[0].mean(0))
+    for args, message in [(("cross", "4", "mean"), "out of range; the model has 3 layers"),
+                          (("cross", "1", "9"), "out of range; the model has 4 heads"),
+                          (("keys", "1", "1"), "expected one of cross, encoder, decoder"),
+                          (("cross", "x", "1"), "expected N, last, all")]:
+        with pytest.raises(UsageError, match=message):
+            select_maps(capture, *args)
+    data = json.loads(json.dumps(maps_to_json(capture, "cross", mean_maps := select_maps(capture, "cross"))))
+    assert len(data["maps"]) == len(mean_maps) and data["column_tokens"] == capture.source_tokens
+
+
+@pytest.mark.parametrize("width", [40, 80, 200])
+@pytest.mark.parametrize("values", [False, True])
+@pytest.mark.parametrize("colour", [False, True])
+def test_terminal_heatmap_fits_the_width_and_shows_labels(setup, width, values, colour):
+    model, vocab = setup
+    capture = capture_attention(model, vocab, TEXTS[0], TEXTS[1])
+    console = Console(record=True, width=width, force_terminal=colour, no_color=not colour, color_system="truecolor" if colour else None)
+    for amap in select_maps(capture, "cross", "all", "all")[:2]:
+        console.print(heatmap(amap, console, values), no_wrap=True, overflow="crop")
+    text = console.export_text()
+    assert all(len(line) <= width for line in text.splitlines())
+    assert capture.decoder_outputs[0][:6] in text  # row labels
+    assert "(max)" in text or width < 40
+    if width == 40 and values:
+        assert "not shown" in text  # a window of keys, with a visible note
+
+
+def test_image_is_written(setup, tmp_path):
+    model, vocab = setup
+    capture = capture_attention(model, vocab, TEXTS[0], TEXTS[1])
+    for name in ("grid.png", "grid.svg"):
+        save_image(select_maps(capture, "encoder", "all", "all"), tmp_path / name)
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_inspect_attention_cli(trained_run, tmp_path):
+    runner = CliRunner()
+    image = tmp_path / "attention.png"
+    result = runner.invoke(app, ["inspect-attention", str(trained_run), "twenty-one", "--head", "all",
+                                 "--save", str(image)])
+    assert result.exit_code == 0, result.output
+    assert "cross layer 1, head 4" in result.output and "(max)" in result.output
+    assert image.stat().st_size > 1000
+    raw = runner.invoke(app, ["inspect-attention", str(trained_run), "seven", "--target", "sieben", "--kind",
+                              "decoder", "--layer", "1", "--json"])
+    data = json.loads(raw.stdout)
+    assert data["kind"] == "decoder" and data["row_tokens"][0] == "<s>" and len(data["maps"]) == 1
+    bad = runner.invoke(app, ["inspect-attention", str(trained_run), "seven", "--layer", "5"])
+    assert bad.exit_code == 1 and "--layer 5: out of range; the model has 1 layers" in bad.output
+    bad = runner.invoke(app, ["inspect-attention", str(trained_run), "seven", "--kind", "self"])
+    assert bad.exit_code == 1 and "--kind self: expected one of cross, encoder, decoder" in bad.output
+
+
+def test_inspect_attention_cli_errors(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["inspect-attention", str(tmp_path / "missing"), "seven"])
+    assert result.exit_code == 1 and "no such run folder" in result.output

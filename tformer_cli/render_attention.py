@@ -1,0 +1,127 @@
+"""Attention heatmaps: in the terminal with Rich, and as images with matplotlib (imported lazily).
+
+Rows are queries, columns are keys; column labels are written vertically above the grid. Shading
+is scaled to each map's largest weight (the legend gives it); the strongest key of each query is
+marked. Without colour (NO_COLOR, a pipe, a file) cells are drawn with the characters " ░▒▓█".
+Maps wider than the console show a window of keys, and say so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.text import Text
+
+from tformer_cli.introspect import AttentionMap
+
+# viridis anchors: dark purple -> blue -> green -> yellow
+RAMP = [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)]
+SHADES = " ░▒▓█"
+LABEL_WIDTH, LABEL_HEIGHT, MAX_ROWS = 12, 8, 64
+
+
+def _colour(level: float) -> str:
+    """Hex colour for level in [0, 1] along the ramp."""
+    position = min(max(level, 0.0), 1.0) * (len(RAMP) - 1)
+    i = min(int(position), len(RAMP) - 2)
+    frac = position - i
+    r, g, b = (round(a + (b - a) * frac) for a, b in zip(RAMP[i], RAMP[i + 1]))
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def _label(token: str, width: int) -> str:
+    token = token.replace("\n", " ")
+    return token if len(token) <= width else token[: width - 1] + "…"
+
+
+def heatmap(amap: AttentionMap, console: Console, values: bool = False) -> Group:
+    """One map as Rich renderables that fit ``console.width``."""
+    plain = console.no_color or console.color_system is None
+    weights = amap.weights
+    n_rows, n_cols = weights.shape
+    label_w = min(LABEL_WIDTH, max(len(t) for t in amap.rows))
+    cell = 4 if values else 2
+    fit = max(1, (console.width - label_w - 1) // cell)
+    cols = list(range(min(n_cols, fit)))
+    rows = list(range(min(n_rows, MAX_ROWS)))
+    top = float(weights.max()) or 1.0
+    lines = [Text(_label(amap.title, console.width), style="bold")]
+    height = min(LABEL_HEIGHT, max(len(amap.columns[c]) for c in cols))
+    for level in range(height):  # column labels, vertical, one character a line
+        line = Text(" " * (label_w + 1))
+        for c in cols:
+            name = _label(amap.columns[c], height)
+            line.append((name[level] if level < len(name) else " ").ljust(cell))
+        lines.append(line)
+    for r in rows:
+        line = Text(_label(amap.rows[r], label_w).rjust(label_w) + " ")
+        strongest = int(weights[r].argmax())
+        for c in cols:
+            w = float(weights[r, c])
+            mark = c == strongest
+            if values:
+                body = f"{w:.2f}"[1:] if w < 1 else "1.0"
+                text = (body + ("*" if mark else " ")) if plain else (body + ("◆" if mark else " "))
+            else:
+                shade = SHADES[min(len(SHADES) - 1, round(w / top * (len(SHADES) - 1)))]
+                text = ("◆ " if mark else " ".ljust(cell)) if not plain else (("*" if mark else shade) + shade)
+            if plain:
+                line.append(text[:cell].ljust(cell))
+            else:
+                level = w / top
+                line.append(text[:cell].ljust(cell), style=f"{'black' if level > 0.6 else 'white'} on {_colour(level)}")
+        lines.append(line)
+    lines.append(_legend(top, plain, console.width))
+    hidden = [f"keys {len(cols) + 1}–{n_cols} of {n_cols} not shown" if len(cols) < n_cols else "",
+              f"queries {len(rows) + 1}–{n_rows} of {n_rows} not shown" if len(rows) < n_rows else ""]
+    note = "; ".join(h for h in hidden if h)
+    if note:
+        lines.append(Text(_label(f"({note}: widen the terminal or use --save)", console.width), style="dim"))
+    return Group(*lines)
+
+
+def _legend(top: float, plain: bool, width: int) -> Text:
+    legend = Text("0 ")
+    if plain:
+        legend.append(SHADES.replace(" ", "·"))
+    else:
+        for i in range(10):
+            legend.append(" ", style=f"on {_colour(i / 9)}")
+    legend.append(f" {top:.2f} (max) · ◆/* strongest key" if width >= 40 else f" {top:.2f}")
+    legend.truncate(width)
+    return legend
+
+
+def print_maps(maps: list[AttentionMap], console: Console, values: bool = False) -> None:
+    for amap in maps:
+        console.print(heatmap(amap, console, values), soft_wrap=False, overflow="crop", no_wrap=True)
+        console.print()
+
+
+def save_image(maps: list[AttentionMap], path: Path) -> None:
+    """A grid of maps (layers down, heads across) with token labels; format from the extension."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted({m.layer for m in maps})
+    heads = sorted({m.head for m in maps}, key=str)
+    n_rows, n_cols = len(layers), len(heads)
+    first = maps[0]
+    cell = 0.28
+    fig_w = max(4.0, n_cols * (len(first.columns) * cell + 1.5))
+    fig_h = max(3.0, n_rows * (len(first.rows) * cell + 1.5))
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(fig_w, fig_h), squeeze=False)
+    for amap in maps:
+        ax = axes[layers.index(amap.layer)][heads.index(amap.head)]
+        image = ax.imshow(amap.weights.numpy(), cmap="viridis", vmin=0.0, aspect="auto")
+        ax.set_xticks(range(len(amap.columns)), amap.columns, rotation=90, fontsize=8)
+        ax.set_yticks(range(len(amap.rows)), amap.rows, fontsize=8)
+        ax.set_title(amap.title, fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
