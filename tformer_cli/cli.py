@@ -284,6 +284,50 @@ def inspect_attention(
         console.print(f"[dim]saved {save}[/]")
 
 
+@app.command()
+def average(
+    run: RunArg,
+    last: Annotated[Optional[int], typer.Option(help="Average the last N step checkpoints.")] = None,
+    best: Annotated[Optional[int], typer.Option(help="Average the N checkpoints with the best validation metric.")] = None,
+    metric: Annotated[str, typer.Option(help="loss | bleu, for --best.")] = "loss",
+    output: Annotated[Optional[Path], typer.Option(help="Folder (default RUN/checkpoints/average-last-N).")] = None,
+) -> None:
+    """Average checkpoint weights into a new checkpoint that eval and generate accept.
+
+    [dim]Examples:[/]
+      tformer average runs/multi30k --last 5
+      tformer eval runs/multi30k/checkpoints/average-last-5 --beam 5
+    """
+    from tformer_cli.render import console
+    from tformer_cli.runtime import average_checkpoints, choose_checkpoints
+
+    if metric not in ("loss", "bleu"):
+        raise UsageError(f"--metric {metric}: expected loss or bleu")
+    chosen = choose_checkpoints(run, last, best, metric)
+    name = f"average-last-{last}" if last is not None else f"average-best-{best}-{metric}"
+    path = average_checkpoints(chosen, output or Path(run) / "checkpoints" / name)
+    console.print(f"averaged {', '.join(c.name for c in chosen)} -> {path}", highlight=False)
+
+
+@app.command()
+def plot(
+    run: RunArg,
+    output: Annotated[Optional[Path], typer.Option(help="Image file (default RUN/curves.png).")] = None,
+) -> None:
+    """Draw learning curves (training and validation loss, validation BLEU) from RUN/metrics.jsonl.
+
+    [dim]Example:[/]
+      tformer plot runs/demo --output curves.png
+    """
+    from tformer_cli.render import console
+    from tformer_cli.render_curves import plot_curves
+    from tformer_cli.runtime import read_metrics
+
+    path = output or Path(run) / "curves.png"
+    plot_curves(read_metrics(run), path, title=str(run))
+    console.print(f"saved {path}", highlight=False)
+
+
 def _chunks(lines, size: int):
     chunk = []
     for line in lines:

@@ -19,7 +19,7 @@ import torch
 
 from tformer_cli.config import DataConfig
 from tformer_cli.errors import DataError
-from tformer_cli.tokenizer import PAD_ID, Vocabulary
+from tformer_cli.tokenizer import PAD_ID, RECIPE, Vocabulary
 
 FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -203,7 +203,7 @@ def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary) -> EncodedSplit
 
 def train_or_load_vocabulary(cfg: DataConfig) -> Vocabulary:
     """Learn BPE on the training split, or reuse one learned from the same data and settings."""
-    folder = cache_dir() / "tokenizers" / data_fingerprint(cfg, cfg.train_split, "bpe")
+    folder = cache_dir() / "tokenizers" / data_fingerprint(cfg, cfg.train_split, RECIPE)
     if folder.is_dir():
         try:
             return Vocabulary.load(folder)

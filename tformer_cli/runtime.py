@@ -196,3 +196,47 @@ def load_run(path: Path, device: torch.device | str = "cpu") -> LoadedRun:
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with path.open("a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise CheckpointError(f"{run_dir}: no metrics.jsonl; is this a run folder written by `tformer train`?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def choose_checkpoints(run_dir: Path, last: int | None = None, best: int | None = None,
+                       metric: str = "loss") -> list[Path]:
+    """The last N step checkpoints, or the N with the best validation ``metric`` (loss: lower is better)."""
+    checkpoints = step_checkpoints(run_dir)
+    if not checkpoints:
+        raise CheckpointError(f"{run_dir}: no step checkpoints to average")
+    if (last is None) == (best is None):
+        raise UsageError("give exactly one of --last N or --best N")
+    count = last if last is not None else best
+    if count < 1:
+        raise UsageError(f"--{'last' if last is not None else 'best'} {count}: must be >= 1")
+    if last is not None:
+        return checkpoints[-count:]
+    scores = {r["step"]: r[metric] for r in read_metrics(run_dir) if r.get("split") == "validation" and metric in r}
+    scored = [c for c in checkpoints if int(c.name.split("-")[1]) in scores]
+    if not scored:
+        raise CheckpointError(f"{run_dir}: no validation {metric} recorded for the kept checkpoints; use --last N")
+    sign = -1 if metric == "bleu" else 1
+    return sorted(scored, key=lambda c: sign * scores[int(c.name.split("-")[1])])[:count]
+
+
+def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
+    """Element-wise mean of the checkpoints' weights (as the paper and fairseq do), saved atomically."""
+    from safetensors.torch import load_file, save_file
+
+    total: dict[str, torch.Tensor] = {}
+    for checkpoint in checkpoints:
+        for name, tensor in load_file(str(checkpoint / WEIGHTS)).items():
+            total[name] = total.get(name, 0) + tensor.double()
+    average = {name: (tensor / len(checkpoints)).float().contiguous() for name, tensor in total.items()}
+    output.mkdir(parents=True, exist_ok=True)
+    tmp = output / f".{WEIGHTS}.tmp"
+    save_file(average, str(tmp), metadata={"averaged": ",".join(c.name for c in checkpoints)})
+    os.replace(tmp, output / WEIGHTS)
+    return output / WEIGHTS

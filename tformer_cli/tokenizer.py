@@ -17,6 +17,7 @@ from tformer_cli.errors import CheckpointError
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]  # ids 0, 1, 2, 3
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+RECIPE = "bpe/nfc/metaspace+punctuation/v2"  # part of the cache key: change it when the recipe changes
 JOINT_FILE, SOURCE_FILE, TARGET_FILE = "tokenizer.json", "tokenizer-source.json", "tokenizer-target.json"
 
 

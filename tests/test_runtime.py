@@ -1,0 +1,64 @@
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from conftest import tiny_model_config, write_config
+from tformer_cli.cli import app
+from tformer_cli.config import load_config
+from tformer_cli.errors import CheckpointError, UsageError
+from tformer_cli.model import build_model
+from tformer_cli.runtime import (
+    average_checkpoints, choose_checkpoints, find_weights, load_weights, save_checkpoint, save_weights,
+    step_checkpoints)
+from tformer_cli.train import train
+
+
+def test_averaging_two_checkpoints_gives_the_element_wise_mean(tmp_path):
+    models = [build_model(tiny_model_config(), 30) for _ in range(2)]
+    for step, model in enumerate(models, start=1):
+        save_checkpoint(tmp_path, step, model, {"state": {}}, keep_last=5)
+    path = average_checkpoints(step_checkpoints(tmp_path), tmp_path / "avg")
+    averaged = build_model(tiny_model_config(), 30)
+    load_weights(averaged, path)
+    for (name, a), b, c in zip(averaged.state_dict().items(), models[0].state_dict().values(),
+                               models[1].state_dict().values()):
+        torch.testing.assert_close(a, (b + c) / 2, msg=name)
+    assert averaged.output_proj.weight is averaged.encoder.embed.embedding.weight  # still tied
+
+
+def test_keep_last_prunes_old_checkpoints_and_weights_round_trip(tmp_path):
+    model = build_model(tiny_model_config(), 30)
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, model, {"state": {}}, keep_last=2)
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000004", "step-00000005"]
+    save_weights(model, tmp_path / "w.safetensors")
+    again = build_model(tiny_model_config(), 30)
+    load_weights(again, tmp_path / "w.safetensors")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    other = build_model(tiny_model_config(d_model=16), 30)
+    with pytest.raises(CheckpointError, match="unreadable weights|do not fit"):
+        load_weights(other, tmp_path / "w.safetensors")
+
+
+def test_average_and_plot_commands_on_a_run(tmp_path):
+    config = write_config(tmp_path / "a.yaml", train={"max_steps": 6, "eval_every": 2, "keep_last": 3,
+                                                      "eval_max_sentences": 5}, data={"max_samples": 100})
+    run = tmp_path / "run"
+    train(load_config(config), run)
+    runner = CliRunner()
+    result = runner.invoke(app, ["average", str(run), "--last", "2"])
+    assert result.exit_code == 0, result.output
+    averaged = run / "checkpoints" / "average-last-2"
+    mean = load_file(str(averaged / "model.safetensors"))
+    a, b = (load_file(str(p / "model.safetensors")) for p in step_checkpoints(run)[-2:])
+    torch.testing.assert_close(mean["output_proj.weight"], (a["output_proj.weight"] + b["output_proj.weight"]) / 2)
+    assert find_weights(averaged) == (run, averaged / "model.safetensors")
+    generated = runner.invoke(app, ["generate", str(averaged), "seven"])
+    assert generated.exit_code == 0 and len(generated.stdout.splitlines()) == 1
+    best = choose_checkpoints(run, best=1)
+    assert len(best) == 1
+    with pytest.raises(UsageError):
+        choose_checkpoints(run)
+    plotted = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.png")])
+    assert plotted.exit_code == 0 and (tmp_path / "curves.png").stat().st_size > 1000

@@ -1,0 +1,37 @@
+"""Learning curves from a run's metrics.jsonl: training loss, validation loss and BLEU against steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r.get("split") == "train"]
+    valid = [r for r in records if r.get("split") == "validation"]
+    metrics = [key for key in ("bleu", "chrf", "exact_match") if any(key in r for r in valid)][:1]
+    fig, axes = plt.subplots(1, 1 + len(metrics), figsize=(5.5 * (1 + len(metrics)), 4), squeeze=False)
+    loss_ax = axes[0][0]
+    loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (NLL)", alpha=0.6)
+    loss_ax.plot([r["step"] for r in valid], [r["loss"] for r in valid], "o-", label="validation")
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("loss (nats / target token)")
+    loss_ax.set_yscale("log")
+    loss_ax.legend()
+    loss_ax.grid(alpha=0.3)
+    for ax, key in zip(axes[0][1:], metrics):
+        points = [r for r in valid if key in r]
+        ax.plot([r["step"] for r in points], [r[key] for r in points], "o-", color="tab:green")
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"validation {key.replace('_', ' ')} (greedy)")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
