@@ -1,0 +1,52 @@
+"""CUDA paths: skipped on machines without a GPU."""
+
+import pytest
+import torch
+
+from conftest import tiny_model_config, write_config
+from tformer_cli.config import load_config
+from tformer_cli.decoding import DecodeOptions, beam_search, greedy_or_sample
+from tformer_cli.model import build_model
+from tformer_cli.model.attention import padding_mask, scaled_dot_product_attention
+from tformer_cli.train import train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_kernels_agree_with_the_explicit_path_on_cuda(dtype):
+    q, k, v = (torch.randn(4, 8, 33, 64, device="cuda", dtype=dtype) for _ in range(3))
+    tokens = torch.randint(1, 9, (4, 33), device="cuda")
+    tokens[1, 20:] = 0
+    for mask, causal in ((None, True), (padding_mask(tokens, 0), False), (None, False)):
+        fast, _ = scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
+        explicit, _ = scaled_dot_product_attention(q, k, v, mask, is_causal=causal, need_weights=True)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(fast, explicit, atol=tolerance, rtol=tolerance)
+
+
+def test_cuda_model_matches_cpu_and_cached_decoding_matches():
+    cpu = build_model(tiny_model_config(), 40).eval()
+    gpu = build_model(tiny_model_config(), 40).eval()
+    gpu.load_state_dict(cpu.state_dict())
+    gpu.cuda()
+    src = torch.randint(4, 40, (3, 9))
+    tgt = torch.randint(4, 40, (3, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(gpu(src.cuda(), tgt.cuda()).cpu(), cpu(src, tgt), atol=1e-4, rtol=1e-4)
+    options = DecodeOptions(max_len_a=0, max_len_b=8)
+    assert [h.tokens for h in greedy_or_sample(gpu, src.cuda(), options)] == \
+        [h.tokens for h in greedy_or_sample(cpu, src, options)]
+    beam = DecodeOptions(beam_size=3, max_len_a=0, max_len_b=8)
+    assert [h[0].tokens for h in beam_search(gpu, src.cuda(), beam)] == [h[0].tokens for h in beam_search(cpu, src, beam)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_training_on_cuda_with_autocast(tmp_path, precision):
+    path = write_config(tmp_path / "c.yaml", train={"device": "cuda", "precision": precision, "max_steps": 20,
+                                                    "eval_every": 10, "eval_max_sentences": 10, "log_every": 5})
+    events = []
+    result = train(load_config(path), tmp_path / "run", callback=lambda e, d: events.append((e, d)))
+    losses = [d["loss"] for e, d in events if e == "step"]
+    assert result.state.step == 20 and losses[-1] < losses[0]
+    assert all(torch.isfinite(torch.tensor(losses)))
