@@ -101,6 +101,7 @@ class TrainConfig:
     eval_max_sentences: int = 500
     best_metric: Literal["loss", "bleu"] = "loss"
     patience: Optional[int] = None  # evaluations without improvement before stopping
+    save_every: Optional[int] = None  # steps between checkpoints (default: eval_every)
     keep_last: int = 3
 
 
@@ -353,7 +354,7 @@ def validate(config: Config) -> list[str]:
          f"{t.max_tokens} is smaller than one sequence (data.max_length {d.max_length}); raise it")
     for key in ("grad_accum", "log_every", "eval_every", "keep_last", "eval_max_sentences"):
         need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
-    for key in ("max_steps", "epochs", "max_time", "patience"):
+    for key in ("max_steps", "epochs", "max_time", "patience", "save_every"):
         value = getattr(t, key)
         need(value is None or value > 0, f"train.{key}", f"must be > 0 or null, got {value}")
     need(t.max_steps is not None or t.epochs is not None or t.max_time is not None, "train.max_steps",

@@ -13,11 +13,14 @@ import torch
 from torch import Tensor
 
 from tformer_cli.data import Batch, EncodedSplit, collate, token_batches
+from tformer_cli.loss import linear_smoothed_cross_entropy
 from tformer_cli.tokenizer import PAD_ID
 
 
 def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float) -> tuple[Tensor, Tensor]:
-    """Sum over target tokens of (1 - eps) * NLL + eps * mean_v(-log p_v), and the plain NLL sum.
+    """Sum over real target tokens of (1 - eps) * NLL + eps * mean_v(-log p_v), and the plain NLL sum.
+
+    The output projection runs only at non-pad positions, fused with the loss (see ``loss.py``).
 
     Returns:
         (smoothed loss sum to back-propagate, NLL sum, detached).
@@ -25,11 +28,7 @@ def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float) 
     encoded = model.encode(batch.src)
     hidden = model.decode(batch.tgt_in, encoded).hidden  # (B, T, d_model)
     real = batch.tgt_out != PAD_ID  # (B, T)
-    target = batch.tgt_out[real]  # (N,)
-    log_probs = model.logits(hidden[real]).float().log_softmax(dim=-1)  # (N, V)
-    nll = -log_probs.gather(1, target[:, None]).squeeze(1)  # (N,)
-    loss = nll.sum() if smoothing == 0 else ((1 - smoothing) * nll - smoothing * log_probs.mean(dim=-1)).sum()
-    return loss, nll.sum().detach()
+    return linear_smoothed_cross_entropy(hidden[real], model.output_proj.weight, batch.tgt_out[real], smoothing)
 
 
 @dataclass

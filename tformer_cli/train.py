@@ -26,7 +26,7 @@ from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.runtime import (
     WEIGHTS, append_jsonl, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint,
-    save_run_files, save_weights, seed_everything, set_rng_state, step_checkpoints)
+    save_run_files, save_weights, seed_everything, set_rng_state, step_checkpoints, tune_allocator)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 Callback = Callable[[str, dict[str, Any]], None]
@@ -158,6 +158,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     notify: Callback = callback if callback and rank == 0 else (lambda event, data: None)
     cfg = config.train
     device = resolve_device(cfg.device)
+    tune_allocator()
     setup = _Setup(config, run_dir, resume, device, notify)
     model, optimizer, state, data = setup.model, setup.optimizer, setup.state, setup.train_data
     loss_fn = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
@@ -213,7 +214,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                     last_eval = _evaluate(setup, state, notify, rank)
                     if cfg.patience and state.evals_without_improvement >= cfg.patience and not stop_reason:
                         stop_reason = f"no improvement in {cfg.patience} evaluations (early stopping)"
-                if state.step % cfg.eval_every == 0 or stop_reason:  # checkpoint
+                if state.step % (cfg.save_every or cfg.eval_every) == 0 or stop_reason:  # checkpoint
                     _checkpoint(setup, notify, rank)
             if state.batch_in_epoch >= len(batches):
                 state.epoch += 1

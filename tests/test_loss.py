@@ -1,0 +1,35 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tformer_cli.loss as loss_module
+from tformer_cli.loss import linear_smoothed_cross_entropy
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+@pytest.mark.parametrize("chunk", [4, 1024])
+def test_fused_loss_and_gradients_equal_cross_entropy_on_logits(smoothing, chunk, monkeypatch):
+    monkeypatch.setattr(loss_module, "CHUNK_TOKENS", chunk)  # 4: many chunks, a partial last one
+    hidden = torch.randn(19, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 50, (19,))
+    loss, nll = linear_smoothed_cross_entropy(hidden, weight, target, smoothing)
+    (loss * 0.7).backward()
+    ours = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    logits = hidden @ weight.T
+    expected = F.cross_entropy(logits, target, label_smoothing=smoothing, reduction="sum")
+    (expected * 0.7).backward()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nll.double(), F.cross_entropy(logits, target, reduction="sum"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[0], hidden.grad, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(ours[1], weight.grad, rtol=1e-6, atol=1e-8)
+
+
+def test_without_gradients_only_the_loss_is_computed():
+    hidden, weight = torch.randn(7, 8), torch.randn(20, 8)
+    target = torch.randint(0, 20, (7,))
+    with torch.no_grad():
+        loss, nll = linear_smoothed_cross_entropy(hidden, weight, target, 0.0)
+    torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.T, target, reduction="sum"))
+    torch.testing.assert_close(nll, loss)
