@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test demo clean
+.PHONY: help install test demo multi30k bench readme-images clean
 
 help: ## List the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}'
@@ -28,6 +28,28 @@ demo: $(STAMP) ## Train the bundled number-words demo (a few minutes on 2 cores)
 	$(BIN)/tformer train configs/demo.yaml --overwrite
 	$(BIN)/tformer eval runs/demo --split test
 	$(BIN)/tformer generate runs/demo "twenty-one" "three hundred forty-two thousand fifteen" "seven hundred"
+
+# Multi30k: local copy by default; MULTI30K=bentrevett/multi30k trains from the hub. DIRECTION=de-en or en-de.
+MULTI30K ?= ../shared/data/multi30k
+DIRECTION ?= de-en
+M30K_CONFIG := configs/multi30k$(if $(filter en-de,$(DIRECTION)),-en-de,).yaml
+M30K_RUN := runs/multi30k-$(DIRECTION)
+
+multi30k: $(STAMP) ## Train one Multi30k direction (about an hour on 2 cores), average, evaluate, plot
+	$(BIN)/tformer train $(M30K_CONFIG) --set data.dataset=$(MULTI30K) --output-dir $(M30K_RUN) --overwrite
+	$(BIN)/tformer average $(M30K_RUN) --last 5
+	$(BIN)/tformer eval $(M30K_RUN) --beam 1
+	$(BIN)/tformer eval $(M30K_RUN)/checkpoints/average-last-5 --beam 5
+	$(BIN)/tformer plot $(M30K_RUN)
+
+BENCH_ARGS ?=
+bench: $(STAMP) ## Benchmark tformer against its peers (BENCH_ARGS="--sizes small --workloads train,greedy")
+	$(BIN)/pip install --quiet -e ".[bench]"
+	$(BIN)/python benchmarks/run.py $(BENCH_ARGS)
+
+readme-images: $(STAMP) ## Redraw the README's images from runs/demo (run `make demo` first)
+	$(BIN)/tformer inspect-attention runs/demo "twenty-one thousand three hundred forty-five" --save data/readme/attention-demo.png > /dev/null
+	$(BIN)/tformer plot runs/demo --output data/readme/curves-demo.png
 
 clean: ## Remove the venv, caches and runs
 	rm -rf $(VENV) runs .pytest_cache build *.egg-info

@@ -61,3 +61,16 @@ def trained_run(tmp_path_factory, _cache):
     result = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(folder / "run"), "--quiet"])
     assert result.exit_code == 0, result.output
     return folder / "run"
+
+
+def copy_attention_into(ours, reference) -> None:
+    """Copy our MultiHeadAttention's weights into an nn.MultiheadAttention (fused in_proj layout)."""
+    with torch.no_grad():
+        if ours.cross:
+            reference.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.kv_proj.weight]))
+            reference.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.kv_proj.bias]))
+        else:
+            reference.in_proj_weight.copy_(ours.qkv_proj.weight)
+            reference.in_proj_bias.copy_(ours.qkv_proj.bias)
+        reference.out_proj.weight.copy_(ours.out_proj.weight)
+        reference.out_proj.bias.copy_(ours.out_proj.bias)

@@ -3,6 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import copy_attention_into
+
 from tformer_cli.model.attention import (
     KVCache, MultiHeadAttention, causal_mask, padding_mask, scaled_dot_product_attention)
 
@@ -46,17 +48,9 @@ def test_causal_weights_are_zero_above_the_diagonal():
 
 
 def _copy_into_torch_mha(ours: MultiHeadAttention, d_model: int, num_heads: int) -> nn.MultiheadAttention:
-    ref = nn.MultiheadAttention(d_model, num_heads, batch_first=True)
-    with torch.no_grad():
-        if ours.cross:
-            ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.kv_proj.weight]))
-            ref.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.kv_proj.bias]))
-        else:
-            ref.in_proj_weight.copy_(ours.qkv_proj.weight)
-            ref.in_proj_bias.copy_(ours.qkv_proj.bias)
-        ref.out_proj.weight.copy_(ours.out_proj.weight)
-        ref.out_proj.bias.copy_(ours.out_proj.bias)
-    return ref.eval()
+    reference = nn.MultiheadAttention(d_model, num_heads, batch_first=True)
+    copy_attention_into(ours, reference)
+    return reference.eval()
 
 
 @pytest.mark.parametrize("need_weights", [False, True])

@@ -109,3 +109,12 @@ def test_translate_keeps_input_order_and_handles_empty_and_long_inputs(model):
     assert results[2].truncated and not results[0].truncated
     alone = translate(model, vocab, ["c"], options)[0]
     assert alone.outputs[0][1].tokens == results[3].outputs[0][1].tokens
+
+
+def test_sampling_nbest_draws_several_samples_per_source(model):
+    src = _sources()
+    options = DecodeOptions(sample=True, temperature=2.0, seed=5, nbest=4, max_len_a=0, max_len_b=8)
+    groups = decode_batch(model, src, options)
+    assert len(groups) == 5 and all(len(g) == 4 for g in groups)
+    assert all([h.score for h in g] == sorted((h.score for h in g), reverse=True) for g in groups)
+    assert any(len({tuple(h.tokens) for h in g}) > 1 for g in groups)

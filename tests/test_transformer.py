@@ -2,24 +2,12 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_model_config
+from conftest import copy_attention_into, tiny_model_config
 from tformer_cli.model import build_model
 from tformer_cli.model.transformer import Transformer
 
 VOCAB = 50
 POSITIONALS = ["sinusoidal", "learned", "rope", "alibi"]
-
-
-def _copy_attention(ours, ref_mha):
-    with torch.no_grad():
-        if ours.cross:
-            ref_mha.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.kv_proj.weight]))
-            ref_mha.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.kv_proj.bias]))
-        else:
-            ref_mha.in_proj_weight.copy_(ours.qkv_proj.weight)
-            ref_mha.in_proj_bias.copy_(ours.qkv_proj.bias)
-        ref_mha.out_proj.weight.copy_(ours.out_proj.weight)
-        ref_mha.out_proj.bias.copy_(ours.out_proj.bias)
 
 
 def _copy_common(ours, ref):
@@ -37,11 +25,11 @@ def _reference_transformer(model: Transformer, cfg) -> nn.Transformer:
     ref.encoder.norm = nn.Identity()
     ref.decoder.norm = nn.Identity()
     for ours, theirs in zip(model.encoder.layers, ref.encoder.layers):
-        _copy_attention(ours.self_attn, theirs.self_attn)
+        copy_attention_into(ours.self_attn, theirs.self_attn)
         _copy_common(ours, theirs)
     for ours, theirs in zip(model.decoder.layers, ref.decoder.layers):
-        _copy_attention(ours.self_attn, theirs.self_attn)
-        _copy_attention(ours.cross_attn, theirs.multihead_attn)
+        copy_attention_into(ours.self_attn, theirs.self_attn)
+        copy_attention_into(ours.cross_attn, theirs.multihead_attn)
         _copy_common(ours, theirs)
         theirs.norm3.load_state_dict(ours.norm3.state_dict())
     return ref.eval()

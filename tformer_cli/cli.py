@@ -70,46 +70,6 @@ def _root(
     """Train, evaluate and inspect encoder-decoder Transformers (Vaswani et al. 2017)."""
 
 
-@app.command("count-params")
-def count_params(
-    config: Annotated[Optional[Path], typer.Argument(help="A YAML config; flags below override it.")] = None,
-    d_model: Annotated[Optional[int], typer.Option("--d-model", help="Model width (default 512).")] = None,
-    heads: Annotated[Optional[int], typer.Option("--heads", help="Attention heads (default 8).")] = None,
-    layers: Annotated[Optional[int], typer.Option("--layers", help="Layers in each stack (default 6).")] = None,
-    d_ff: Annotated[Optional[int], typer.Option("--d-ff", help="FFN width (default 4 x d_model).")] = None,
-    vocab: Annotated[Optional[int], typer.Option("--vocab", help="Vocabulary size (default 37000).")] = None,
-    share: Annotated[Optional[str], typer.Option(
-        "--share", help="Tied embeddings: all | decoder | none (default all).")] = None,
-    encoder_layers: Annotated[Optional[int], typer.Option(rich_help_panel=ADVANCED)] = None,
-    decoder_layers: Annotated[Optional[int], typer.Option(rich_help_panel=ADVANCED)] = None,
-    norm: Annotated[Optional[str], typer.Option(help="post | pre", rich_help_panel=ADVANCED)] = None,
-    positional: Annotated[Optional[str], typer.Option(
-        help="sinusoidal | learned | rope | alibi", rich_help_panel=ADVANCED)] = None,
-    max_len: Annotated[Optional[int], typer.Option(rich_help_panel=ADVANCED)] = None,
-    overrides: SetOpt = None,
-    json_output: JsonOpt = False,
-) -> None:
-    """Count parameters per component, by formula and from the built model (on the meta device).
-
-    [dim]Examples:[/]
-      tformer count-params --d-model 512
-      tformer count-params configs/big.yaml --json
-    """
-    from tformer_cli.config import load_config
-    from tformer_cli.params import summary
-    from tformer_cli.render import param_table, print_json
-
-    flags = {"model.d_model": d_model, "model.num_heads": heads, "model.d_ff": d_ff, "data.vocab_size": vocab,
-             "model.share_embeddings": share, "model.num_encoder_layers": encoder_layers or layers,
-             "model.num_decoder_layers": decoder_layers or layers, "model.norm": norm,
-             "model.positional": positional, "model.max_len": max_len}
-    sets = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(overrides or [])
-    cfg = load_config(config, sets)
-    vocab_size = cfg.data.vocab_size
-    result = summary(cfg.model, vocab_size, vocab_size)
-    print_json(result) if json_output else param_table(result)
-
-
 @app.command()
 def train(
     config: Annotated[Optional[Path], typer.Argument(help="YAML config (omit with --resume).")] = None,
@@ -326,6 +286,46 @@ def plot(
     path = output or Path(run) / "curves.png"
     plot_curves(read_metrics(run), path, title=str(run))
     console.print(f"saved {path}", highlight=False)
+
+
+@app.command("count-params")
+def count_params(
+    config: Annotated[Optional[Path], typer.Argument(help="A YAML config; flags below override it.")] = None,
+    d_model: Annotated[Optional[int], typer.Option("--d-model", help="Model width (default 512).")] = None,
+    heads: Annotated[Optional[int], typer.Option("--heads", help="Attention heads (default 8).")] = None,
+    layers: Annotated[Optional[int], typer.Option("--layers", help="Layers in each stack (default 6).")] = None,
+    d_ff: Annotated[Optional[int], typer.Option("--d-ff", help="FFN width (default 4 x d_model).")] = None,
+    vocab: Annotated[Optional[int], typer.Option("--vocab", help="Vocabulary size (default 37000).")] = None,
+    share: Annotated[Optional[str], typer.Option(
+        "--share", help="Tied embeddings: all | decoder | none (default all).")] = None,
+    encoder_layers: Annotated[Optional[int], typer.Option(rich_help_panel=ADVANCED)] = None,
+    decoder_layers: Annotated[Optional[int], typer.Option(rich_help_panel=ADVANCED)] = None,
+    norm: Annotated[Optional[str], typer.Option(help="post | pre", rich_help_panel=ADVANCED)] = None,
+    positional: Annotated[Optional[str], typer.Option(
+        help="sinusoidal | learned | rope | alibi", rich_help_panel=ADVANCED)] = None,
+    max_len: Annotated[Optional[int], typer.Option(rich_help_panel=ADVANCED)] = None,
+    overrides: SetOpt = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Count parameters per component, by formula and from the built model (on the meta device).
+
+    [dim]Examples:[/]
+      tformer count-params --d-model 512
+      tformer count-params configs/big.yaml --json
+    """
+    from tformer_cli.config import load_config
+    from tformer_cli.params import summary
+    from tformer_cli.render import param_table, print_json
+
+    flags = {"model.d_model": d_model, "model.num_heads": heads, "model.d_ff": d_ff, "data.vocab_size": vocab,
+             "model.share_embeddings": share, "model.num_encoder_layers": encoder_layers or layers,
+             "model.num_decoder_layers": decoder_layers or layers, "model.norm": norm,
+             "model.positional": positional, "model.max_len": max_len}
+    sets = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(overrides or [])
+    cfg = load_config(config, sets)
+    vocab_size = cfg.data.vocab_size
+    result = summary(cfg.model, vocab_size, vocab_size)
+    print_json(result) if json_output else param_table(result)
 
 
 def _chunks(lines, size: int):

@@ -201,6 +201,11 @@ def decode_batch(model: torch.nn.Module, src: Tensor, options: DecodeOptions) ->
     """Hypotheses for each source row: beam search when beam_size > 1, else greedy or sampling."""
     if options.beam_size > 1 and not options.sample:
         return beam_search(model, src, options)
+    if options.sample and options.nbest > 1:  # n independent samples per source, best first
+        rows = torch.arange(src.shape[0], device=src.device).repeat_interleave(options.nbest)
+        samples = greedy_or_sample(model, src[rows], options)
+        groups = [samples[i:i + options.nbest] for i in range(0, len(samples), options.nbest)]
+        return [sorted(group, key=lambda h: -h.score) for group in groups]
     return [[h] for h in greedy_or_sample(model, src, options)]
 
 

@@ -1,0 +1,263 @@
+"""Benchmark tformer against its peers in one run, on this machine.
+
+    python benchmarks/run.py                                  # every workload, sizes small and base
+    python benchmarks/run.py --workloads train,greedy --sizes small --json results.json
+    python benchmarks/run.py --device cuda                    # bf16 autocast on a GPU
+
+Systems run alternately in the same process, several timed repetitions after warm-up; the table
+gives medians, min-max and tformer's ratio to the best peer. Peers: torch's nn.Transformer (a),
+Hugging Face MarianMTModel (b), x-transformers (c); install them with `pip install -e '.[bench]'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from systems import LIBRARIES, PEERS, SIZES, Tformer, available_peers, make_batch  # noqa: E402
+
+WORKLOADS = ("train", "greedy", "beam", "memory", "data")
+HIGHER_IS_BETTER = {"train": True, "greedy": True, "beam": True, "memory": False, "data": True}
+MULTI30K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
+
+
+def matmul_peak(device: torch.device) -> float:
+    """Measured FLOP/s of a large matrix product: fp32 on CPU, bf16 on CUDA."""
+    n, dtype = (2048, torch.float32) if device.type == "cpu" else (8192, torch.bfloat16)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(2):
+        a @ b
+    times = []
+    for _ in range(5):
+        start = _now(device)
+        a @ b
+        times.append(_now(device) - start)
+    return 2 * n**3 / min(times)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+def _systems(size, device, peers: list[str]) -> list:
+    systems = [Tformer(SIZES[size], device)]
+    for key in peers:
+        for fused in (False, True):
+            systems.append(PEERS[key](SIZES[size], device, fused=fused))
+    return systems
+
+
+def _alternate(systems, operation, work: float, device, repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Time ``operation(system)`` for each system in turn; return work/second per repetition."""
+    rates: dict[str, list[float]] = {s.name: [] for s in systems}
+    for system in systems:
+        for _ in range(warmup):
+            operation(system)
+    for _ in range(repeats):
+        for system in systems:
+            start = _now(device)
+            with _autocast(device):
+                operation(system)
+            rates[system.name].append(work / (_now(device) - start))
+    return rates
+
+
+def train_flops_per_step(size_name: str, target_tokens: int) -> float:
+    from tformer_cli.config import ModelConfig
+    from tformer_cli.params import train_flops_per_token
+
+    s = SIZES[size_name]
+    cfg = ModelConfig(d_model=s.d_model, num_heads=s.heads, num_encoder_layers=s.layers,
+                      num_decoder_layers=s.layers, d_ff=s.d_ff)
+    return train_flops_per_token(cfg, s.vocab, src_per_tgt=1.0) * target_tokens
+
+
+def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak) -> list[dict]:
+    systems = _systems(size, device, peers)
+    if workload == "train":
+        batch = make_batch(SIZES[size], 64, 24, device)
+        rates = _alternate(systems, lambda s: s.train_step(batch), batch.target_tokens, device, repeats, warmup)
+        unit, flops = "target tokens/s", train_flops_per_step(size, batch.target_tokens) / batch.target_tokens
+    else:
+        batch_size, beams = (64, 1) if workload == "greedy" else (16, 4)
+        src = make_batch(SIZES[size], batch_size, 24, device).src
+        systems = [s for s in systems if "fused" not in s.name]  # the optimizer plays no part in decoding
+        if workload == "beam":
+            systems = [s for s in systems if s.supports_beam]
+        op = (lambda s: s.greedy(src, 24)) if workload == "greedy" else (lambda s: s.beam(src, 24, beams))
+        rates = _alternate(systems, op, batch_size * 24, device, repeats, warmup)
+        unit, flops = "new tokens/s", None
+    records = []
+    for name, values in rates.items():
+        record = {"workload": workload, "size": size, "system": name, "median": statistics.median(values),
+                  "min": min(values), "max": max(values), "unit": unit}
+        if flops:
+            record["mfu"] = record["median"] * flops / peak
+        records.append(record)
+    return records
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def probe_memory(system_key: str, size: str, device_name: str) -> dict:
+    """In a fresh process: peak memory of training steps above the memory before the model existed."""
+    device = torch.device(device_name)
+    from tformer_cli.runtime import tune_allocator
+
+    tune_allocator()
+    cls = Tformer if system_key == "tformer" else PEERS[system_key]
+    importlib.import_module(LIBRARIES[system_key])  # library code is loaded before the baseline
+    batch = make_batch(SIZES[size], 64, 24, device)
+    base = _rss_mib()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    system = cls(SIZES[size], device, fused=True)
+    for _ in range(3):
+        with _autocast(device):
+            system.train_step(batch)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    return {"system": system.name, "peak_mib": peak}
+
+
+def run_memory(size: str, device, peers) -> list[dict]:
+    records = []
+    for key in ["tformer", *peers]:
+        out = subprocess.run([sys.executable, __file__, "--probe-memory", key, size, device.type],
+                             capture_output=True, text=True, check=True)
+        probe = json.loads(out.stdout.strip().splitlines()[-1])
+        unit = "MiB (CUDA max allocated)" if device.type == "cuda" else "MiB (peak RSS above baseline)"
+        records.append({"workload": "memory", "size": size, "system": probe["system"], "median": probe["peak_mib"],
+                        "min": probe["peak_mib"], "max": probe["peak_mib"], "unit": unit})
+    return records
+
+
+def run_data(step_seconds: float | None) -> list[dict]:
+    """Tokenise and batch Multi30k's training pairs (or generated text when it is absent)."""
+    from tformer_cli.config import DataConfig
+    from tformer_cli.data import collate, encode_split, load_pairs, token_batches
+    from tformer_cli.tokenizer import Vocabulary
+
+    if MULTI30K.is_dir():
+        cfg = DataConfig(data_files={"train": str(MULTI30K / "train.jsonl")}, source="de", target="en")
+        pairs, source = load_pairs(cfg, "train"), "Multi30k"
+    else:
+        from data.make_numbers import english, german  # noqa: F401 - the repo's own generator
+
+        pairs, source = [(english(n), german(n)) for n in range(1, 29001)], "generated"
+        cfg = DataConfig()
+    vocab = Vocabulary.train(pairs, 8000)
+    start = time.perf_counter()
+    encoded = encode_split(pairs, vocab, cfg)
+    batches = token_batches([len(s) for s in encoded.src], [len(t) for t in encoded.tgt], 4096)
+    collate_start = time.perf_counter()
+    for indices in batches:
+        collate(encoded, indices)
+    end = time.perf_counter()
+    per_batch = (end - collate_start) / len(batches)
+    record = {"workload": "data", "size": source, "system": "tformer", "median": len(pairs) / (end - start),
+              "min": len(pairs) / (end - start), "max": len(pairs) / (end - start), "unit": "pairs/s",
+              "collate_ms_per_batch": 1000 * per_batch}
+    if step_seconds:
+        record["collate_share_of_step"] = per_batch / step_seconds
+    return [record]
+
+
+def add_ratios(records: list[dict]) -> None:
+    """ratio_vs_best_peer on tformer's records: > 1 is better for speed, < 1 better for memory."""
+    for record in records:
+        if record["system"] != "tformer" or record["workload"] == "data":
+            continue
+        peers = [r["median"] for r in records if r["workload"] == record["workload"] and r["size"] == record["size"]
+                 and r["system"] != "tformer"]
+        if peers:
+            best = max(peers) if HIGHER_IS_BETTER[record["workload"]] else min(peers)
+            record["ratio_vs_best_peer"] = record["median"] / best
+
+
+def print_table(records: list[dict], device: str, peak: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"tformer vs peers on {device} · matmul peak {peak / 1e9:,.0f} GFLOP/s", title_justify="left")
+    for column in ("workload", "size", "system", "median", "min–max", "unit", "MFU", "tformer / best peer"):
+        table.add_column(column, justify="right" if column not in ("workload", "system", "unit", "size") else "left")
+    for r in records:
+        ratio = f"{r['ratio_vs_best_peer']:.2f}×" if "ratio_vs_best_peer" in r else ""
+        table.add_row(r["workload"], r["size"], r["system"], f"{r['median']:,.1f}", f"{r['min']:,.0f}–{r['max']:,.0f}",
+                      r["unit"], f"{r['mfu']:.2f}" if "mfu" in r else "", ratio)
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--sizes", default="small,base")
+    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--probe-memory", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.probe_memory:
+        print(json.dumps(probe_memory(*args.probe_memory)))
+        return
+    from tformer_cli.runtime import tune_allocator
+
+    tune_allocator()
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    peers = [p for p in args.peers.split(",") if p in available_peers()]
+    missing = sorted(set(args.peers.split(",")) - set(peers))
+    if missing:
+        print(f"skipping peers that are not installed: {', '.join(missing)} (pip install -e '.[bench]')")
+    peak = matmul_peak(device)
+    records: list[dict] = []
+    for workload in args.workloads.split(","):
+        for size in args.sizes.split(","):
+            if workload in ("train", "greedy", "beam"):
+                records += run_speed(workload, size, device, peers, args.repeats, args.warmup, peak)
+            elif workload == "memory":
+                records += run_memory(size, device, peers)
+        if workload == "data":
+            step = next((1536 / r["median"] for r in records if r["workload"] == "train" and r["system"] == "tformer"
+                         and r["size"] == "small"), None)
+            records += run_data(step)
+        print(f"done: {workload}", file=sys.stderr)
+    add_ratios(records)
+    print_table(records, f"{device.type} ({os.cpu_count()} cores)" if device.type == "cpu"
+                else torch.cuda.get_device_name(), peak)
+    if args.json:
+        meta = {"device": args.device, "matmul_peak_flops": peak, "torch": torch.__version__}
+        args.json.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""The systems the benchmark compares, behind one small interface.
+
+Every system is built with the same dimensions and random weights (nothing is downloaded) and
+offers: ``train_step(batch)`` (forward, label-smoothed loss, backward, optimizer step),
+``greedy(src, new_tokens)`` and ``beam(src, new_tokens, beams)``, each producing exactly
+``new_tokens`` tokens (no early stop), or ``None`` where a system has no such operation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PAD, BOS, EOS = 0, 1, 2
+SMOOTHING = 0.1
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    d_model: int
+    layers: int
+    heads: int
+    d_ff: int
+    vocab: int
+
+
+SIZES = {
+    "small": Size("small", 256, 3, 4, 1024, 8000),
+    "base": Size("base", 512, 6, 8, 2048, 37000),
+}
+
+
+@dataclass
+class TrainBatch:
+    src: torch.Tensor  # (B, S)
+    tgt_in: torch.Tensor  # (B, T)
+    tgt_out: torch.Tensor  # (B, T)
+
+    @property
+    def target_tokens(self) -> int:
+        return int((self.tgt_out != PAD).sum())
+
+
+def make_batch(size: Size, batch: int, length: int, device: torch.device, seed: int = 0) -> TrainBatch:
+    generator = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, size.vocab, (batch, length), generator=generator)
+    tgt = torch.randint(4, size.vocab, (batch, length + 1), generator=generator)
+    src[:, -1], tgt[:, 0] = EOS, BOS
+    return TrainBatch(src.to(device), tgt[:, :-1].to(device), tgt[:, 1:].to(device))
+
+
+def _adam(params, fused: bool):
+    return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0, fused=fused)
+
+
+class System:
+    name = "system"
+    supports_beam = False
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    vocab: int
+
+    def logits(self, batch: TrainBatch) -> torch.Tensor:
+        """(B, T, V) teacher-forced logits; the peers' training step is built on it."""
+        raise NotImplementedError
+
+    def train_step(self, batch: TrainBatch) -> None:
+        """What a user of the peer writes: logits, F.cross_entropy with label smoothing, backward, step."""
+        self.model.train()
+        loss = F.cross_entropy(self.logits(batch).reshape(-1, self.vocab), batch.tgt_out.reshape(-1),
+                               ignore_index=PAD, label_smoothing=SMOOTHING)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def greedy(self, src: torch.Tensor, new_tokens: int) -> torch.Tensor | None:
+        return None
+
+    def beam(self, src: torch.Tensor, new_tokens: int, beams: int) -> torch.Tensor | None:
+        return None
+
+
+class Tformer(System):
+    """tformer itself: fused output projection + loss, fused Adam, KV-cached decoding."""
+
+    supports_beam = True
+
+    def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
+        from tformer_cli.config import ModelConfig
+        from tformer_cli.model import build_model
+
+        self.name = "tformer"
+        cfg = ModelConfig(d_model=size.d_model, num_heads=size.heads, num_encoder_layers=size.layers,
+                          num_decoder_layers=size.layers, d_ff=size.d_ff, dropout=0.1, max_len=256)
+        self.model = build_model(cfg, size.vocab).to(device)
+        self.optimizer = _adam(self.model.parameters(), fused)
+
+    def train_step(self, batch: TrainBatch) -> None:
+        from tformer_cli.data import Batch
+        from tformer_cli.evaluation import label_smoothed_loss
+
+        self.model.train()
+        ours = Batch(batch.src, batch.tgt_in, batch.tgt_out, [], batch.target_tokens)
+        loss, _ = label_smoothed_loss(self.model, ours, SMOOTHING)
+        (loss / batch.target_tokens).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _decode(self, src: torch.Tensor, new_tokens: int, beams: int) -> list:
+        from tformer_cli.decoding import DecodeOptions, decode_batch
+
+        self.model.eval()
+        options = DecodeOptions(beam_size=beams, max_len_a=0, max_len_b=new_tokens, min_length=new_tokens)
+        return decode_batch(self.model, src, options)
+
+    def greedy(self, src, new_tokens):
+        return self._decode(src, new_tokens, 1)
+
+    def beam(self, src, new_tokens, beams):
+        return self._decode(src, new_tokens, beams)
+
+
+class _BuiltinModel(nn.Module):
+    def __init__(self, size: Size) -> None:
+        super().__init__()
+        d = size.d_model
+        self.embedding = nn.Embedding(size.vocab, d, padding_idx=PAD)
+        position = torch.arange(512)[:, None]
+        inv_freq = torch.exp(torch.arange(0, d, 2) * (-math.log(10000.0) / d))
+        pe = torch.zeros(512, d)
+        pe[:, 0::2], pe[:, 1::2] = torch.sin(position * inv_freq), torch.cos(position * inv_freq)
+        self.register_buffer("pe", pe)
+        self.dropout = nn.Dropout(0.1)
+        self.transformer = nn.Transformer(d, size.heads, size.layers, size.layers, size.d_ff, 0.1, batch_first=True)
+        self.out = nn.Linear(d, size.vocab, bias=False)
+        self.out.weight = self.embedding.weight
+        self.scale = math.sqrt(d)
+
+    def embed(self, tokens):
+        return self.dropout(self.embedding(tokens) * self.scale + self.pe[: tokens.shape[1]])
+
+    def forward(self, src, tgt_in):
+        T = tgt_in.shape[1]
+        causal = nn.Transformer.generate_square_subsequent_mask(T, device=src.device)
+        hidden = self.transformer(self.embed(src), self.embed(tgt_in), tgt_mask=causal, tgt_is_causal=True,
+                                  src_key_padding_mask=src == PAD, memory_key_padding_mask=src == PAD)
+        return self.out(hidden)
+
+
+class TorchBuiltin(System):
+    """(a) What a PyTorch user writes from built-ins: nn.Transformer, tied output, F.cross_entropy."""
+
+    def __init__(self, size: Size, device: torch.device, fused: bool = False) -> None:
+        self.name = "torch nn.Transformer" + (" +fused AdamW" if fused else "")
+        self.model = _BuiltinModel(size).to(device)
+        self.optimizer = _adam(self.model.parameters(), fused)
+        self.vocab = size.vocab
+
+    def logits(self, batch):
+        return self.model(batch.src, batch.tgt_in)
+
+    @torch.inference_mode()
+    def greedy(self, src, new_tokens):
+        """No cache: the whole prefix is run through the decoder again at every step."""
+        self.model.eval()
+        ys = torch.full((src.shape[0], 1), BOS, dtype=torch.long, device=src.device)
+        for _ in range(new_tokens):
+            logits = self.model(src, ys)[:, -1]
+            logits[:, EOS] = float("-inf")
+            ys = torch.cat([ys, logits.argmax(-1, keepdim=True)], dim=1)
+        return ys
+
+
+class Marian(System):
+    """(b) Hugging Face transformers' MarianMTModel from a MarianConfig (random weights)."""
+
+    supports_beam = True
+
+    def __init__(self, size: Size, device: torch.device, fused: bool = False) -> None:
+        from transformers import MarianConfig, MarianMTModel
+
+        self.name = "HF Marian" + (" +fused AdamW" if fused else "")
+        config = MarianConfig(
+            vocab_size=size.vocab, d_model=size.d_model, encoder_layers=size.layers, decoder_layers=size.layers,
+            encoder_attention_heads=size.heads, decoder_attention_heads=size.heads, encoder_ffn_dim=size.d_ff,
+            decoder_ffn_dim=size.d_ff, max_position_embeddings=512, pad_token_id=PAD, eos_token_id=EOS,
+            bos_token_id=BOS, decoder_start_token_id=BOS, forced_eos_token_id=None, dropout=0.1,
+            activation_function="relu", scale_embedding=True, share_encoder_decoder_embeddings=True)
+        self.model = MarianMTModel(config).to(device)
+        self.optimizer = _adam(self.model.parameters(), fused)
+        self.vocab = size.vocab
+
+    def logits(self, batch):
+        return self.model(input_ids=batch.src, attention_mask=batch.src != PAD, decoder_input_ids=batch.tgt_in).logits
+
+    def _generate(self, src, new_tokens, beams):
+        self.model.eval()
+        with torch.inference_mode():
+            return self.model.generate(input_ids=src, attention_mask=src != PAD, num_beams=beams, do_sample=False,
+                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True,
+                                       bad_words_ids=None, early_stopping=True)
+
+    def greedy(self, src, new_tokens):
+        return self._generate(src, new_tokens, 1)
+
+    def beam(self, src, new_tokens, beams):
+        return self._generate(src, new_tokens, beams)
+
+
+class XTransformers(System):
+    """(c) lucidrains' x-transformers XTransformer (its defaults, tied embeddings).
+
+    No beam search: its ``beam_search`` (2.31) expands the batch by the beam count after the first
+    step but not the cross-attention context, so it fails on encoder-decoder models.
+    """
+
+    def __init__(self, size: Size, device: torch.device, fused: bool = False) -> None:
+        from x_transformers import XTransformer
+
+        self.name = "x-transformers" + (" +fused AdamW" if fused else "")
+        self.model = XTransformer(
+            dim=size.d_model, tie_token_emb=True, enc_num_tokens=size.vocab, enc_depth=size.layers,
+            enc_heads=size.heads, enc_max_seq_len=512, enc_ff_mult=size.d_ff // size.d_model,
+            enc_attn_dropout=0.0, enc_ff_dropout=0.1, enc_layer_dropout=0.0, dec_num_tokens=size.vocab,
+            dec_depth=size.layers, dec_heads=size.heads, dec_max_seq_len=512, dec_ff_mult=size.d_ff // size.d_model,
+            dec_attn_dropout=0.0, dec_ff_dropout=0.1).to(device)
+        self.optimizer = _adam(self.model.parameters(), fused)
+        self.vocab = size.vocab
+
+    def logits(self, batch):
+        mask = batch.src != PAD
+        memory = self.model.encoder(batch.src, mask=mask, return_embeddings=True)
+        return self.model.decoder.net(batch.tgt_in, context=memory, context_mask=mask)
+
+    @torch.inference_mode()
+    def greedy(self, src, new_tokens):
+        self.model.eval()
+        start = torch.full((src.shape[0], 1), BOS, dtype=torch.long, device=src.device)
+        return self.model.generate(src, start, new_tokens, mask=src != PAD, temperature=0.0, cache_kv=True)
+
+
+PEERS = {"torch": TorchBuiltin, "marian": Marian, "xtransformers": XTransformers}
+LIBRARIES = {"tformer": "tformer_cli", "torch": "torch", "marian": "transformers", "xtransformers": "x_transformers"}
+
+
+def available_peers() -> dict[str, type]:
+    """Peers whose packages are installed (pip install -e '.[bench]')."""
+    import importlib.util
+
+    return {k: v for k, v in PEERS.items() if importlib.util.find_spec(LIBRARIES[k]) is not None}
