@@ -11,7 +11,7 @@ from tformer_cli.cli import app
 from tformer_cli.errors import UsageError
 from tformer_cli.introspect import capture_attention, maps_to_json, select_maps
 from tformer_cli.model import build_model
-from tformer_cli.render_attention import heatmap, save_image
+from tformer_cli.render_attention import print_maps, save_image
 from tformer_cli.tokenizer import Vocabulary
 
 TEXTS = ["three hundred forty-two thousand fifteen", "dreihundertzweiundvierzigtausendfünfzehn", "twenty-one",
@@ -102,14 +102,15 @@ def test_terminal_heatmap_fits_the_width_and_shows_labels(setup, width, values, 
     model, vocab = setup
     capture = capture_attention(model, vocab, TEXTS[0], TEXTS[1])
     console = Console(record=True, width=width, force_terminal=colour, no_color=not colour, color_system="truecolor" if colour else None)
-    for amap in select_maps(capture, "cross", "all", "all")[:2]:
-        console.print(heatmap(amap, console, values), no_wrap=True, overflow="crop")
+    print_maps(select_maps(capture, "cross", "all", "all"), console, values)  # heads side by side where they fit
     text = console.export_text()
     assert all(len(line) <= width for line in text.splitlines())
     assert capture.decoder_outputs[0][:6] in text  # row labels
     assert "(max)" in text or width < 40
     if width == 40 and values:
         assert "not shown" in text  # a window of keys, with a visible note
+    if width == 200:
+        assert any(line.count("(max)") >= 2 for line in text.splitlines())  # small multiples in a row
 
 
 def test_image_is_written(setup, tmp_path):

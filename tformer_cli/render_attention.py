@@ -61,7 +61,8 @@ def heatmap(amap: AttentionMap, console: Console, values: bool = False) -> Group
             w = float(weights[r, c])
             mark = c == strongest
             if values:
-                body = f"{w:.2f}"[1:] if w < 1 else "1.0"
+                body = f"{w:.2f}"
+                body = "1.0" if body.startswith("1") else body[1:]  # ".42", and "1.0" for weights that round to 1
                 text = (body + ("*" if mark else " ")) if plain else (body + ("◆" if mark else " "))
             else:
                 shade = SHADES[min(len(SHADES) - 1, round(w / top * (len(SHADES) - 1)))]
@@ -94,8 +95,13 @@ def _legend(top: float, plain: bool, width: int) -> Text:
 
 
 def print_maps(maps: list[AttentionMap], console: Console, values: bool = False) -> None:
-    for amap in maps:
-        console.print(heatmap(amap, console, values), soft_wrap=False, overflow="crop", no_wrap=True)
+    """Maps of one layer side by side as small multiples where the width allows, one layer after another."""
+    from rich.columns import Columns
+
+    for layer in sorted({m.layer for m in maps}):
+        panels = [heatmap(m, console, values) for m in maps if m.layer == layer]
+        console.print(Columns(panels, padding=(1, 3)) if len(panels) > 1 else panels[0], soft_wrap=False,
+                      overflow="crop", no_wrap=True)
         console.print()
 
 
