@@ -90,10 +90,10 @@ def train_flops_per_step(size_name: str, target_tokens: int) -> float:
     return train_flops_per_token(cfg, s.vocab, src_per_tgt=1.0) * target_tokens
 
 
-def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak) -> list[dict]:
+def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, train_batch: int = 64) -> list[dict]:
     systems = _systems(size, device, peers)
     if workload == "train":
-        batch = make_batch(SIZES[size], 64, 24, device)
+        batch = make_batch(SIZES[size], train_batch, 24, device)
         rates = _alternate(systems, lambda s: s.train_step(batch), batch.target_tokens, device, repeats, warmup)
         unit, flops = "target tokens/s", train_flops_per_step(size, batch.target_tokens) / batch.target_tokens
     else:
@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--train-batch", type=int, default=64, help="sentences of 24 tokens per training step")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--probe-memory", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -243,11 +244,11 @@ def main(argv: list[str] | None = None) -> None:
     for workload in args.workloads.split(","):
         for size in args.sizes.split(","):
             if workload in ("train", "greedy", "beam"):
-                records += run_speed(workload, size, device, peers, args.repeats, args.warmup, peak)
+                records += run_speed(workload, size, device, peers, args.repeats, args.warmup, peak, args.train_batch)
             elif workload == "memory":
                 records += run_memory(size, device, peers)
         if workload == "data":
-            step = next((1536 / r["median"] for r in records if r["workload"] == "train" and r["system"] == "tformer"
+            step = next((args.train_batch * 24 / r["median"] for r in records if r["workload"] == "train" and r["system"] == "tformer"
                          and r["size"] == "small"), None)
             records += run_data(step)
         print(f"done: {workload}", file=sys.stderr)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-CHUNK_TOKENS = 1024  # (1024 x V) fp32 logits stay within a few tens of MB and mostly in cache
+CHUNK_TOKENS = 1024  # on CPU, (1024 x V) fp32 logits stay within a few tens of MB and mostly in cache
+GPU_CHUNK_TOKENS = 8192  # on a GPU, fewer and larger matrix products keep it busy
 
 
 class _LinearSmoothedCrossEntropy(torch.autograd.Function):
@@ -24,15 +25,17 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, smoothing: float):  # noqa: ANN001
         """hidden (N, d), weight (V, d), target (N,) -> (loss sum, NLL sum)."""
         V = weight.shape[0]
-        w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)  # autocast: match the states
+        compute = _compute_dtype(hidden)  # bf16/fp16 under autocast: in-place and out= products are not cast
+        w = weight.to(compute)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         accumulate = torch.promote_types(weight.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
         grad_weight = torch.zeros_like(weight, dtype=accumulate) if ctx.needs_input_grad[1] else None
         loss = hidden.new_zeros((), dtype=accumulate)
         nll_total = hidden.new_zeros((), dtype=accumulate)
-        for start in range(0, hidden.shape[0], CHUNK_TOKENS):
-            h = hidden[start:start + CHUNK_TOKENS]  # (n, d)
-            t = target[start:start + CHUNK_TOKENS, None]  # (n, 1)
+        chunk = CHUNK_TOKENS if hidden.device.type == "cpu" else GPU_CHUNK_TOKENS
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start:start + chunk].to(compute)  # (n, d)
+            t = target[start:start + chunk, None]  # (n, 1)
             logits = (h @ w.T).to(accumulate)  # (n, V)
             lse = logits.logsumexp(dim=-1, keepdim=True)  # (n, 1)
             nll = lse - logits.gather(1, t)  # (n, 1)
@@ -44,11 +47,14 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
             grad = logits.sub_(lse).exp_()  # softmax, in place: (n, V)
             grad.sub_(smoothing / V)
             grad.scatter_add_(1, t, grad.new_full(t.shape, smoothing - 1.0))
-            grad = grad.to(hidden.dtype)
+            grad = grad.to(compute)
             if grad_hidden is not None:
-                torch.mm(grad, w, out=grad_hidden[start:start + CHUNK_TOKENS])
+                grad_hidden[start:start + chunk] = grad @ w
             if grad_weight is not None:
-                grad_weight.addmm_(grad.T.to(accumulate), h.to(accumulate))
+                if grad.dtype == accumulate:
+                    grad_weight.addmm_(grad.T, h)
+                else:
+                    grad_weight += (grad.T @ h).to(accumulate)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(nll_total)
@@ -62,6 +68,13 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None
+
+
+def _compute_dtype(hidden: Tensor) -> torch.dtype:
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
 
 
 def linear_smoothed_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
