@@ -15,7 +15,6 @@ import argparse
 import importlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -95,7 +94,7 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
     if workload == "train":
         batch = make_batch(SIZES[size], train_batch, 24, device)
         rates = _alternate(systems, lambda s: s.train_step(batch), batch.target_tokens, device, repeats, warmup)
-        unit, flops = "target tokens/s", train_flops_per_step(size, batch.target_tokens) / batch.target_tokens
+        unit, flops = "target tok/s", train_flops_per_step(size, batch.target_tokens) / batch.target_tokens
     else:
         batch_size, beams = (64, 1) if workload == "greedy" else (16, 4)
         src = make_batch(SIZES[size], batch_size, 24, device).src
@@ -104,7 +103,7 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
             systems = [s for s in systems if s.supports_beam]
         op = (lambda s: s.greedy(src, 24)) if workload == "greedy" else (lambda s: s.beam(src, 24, beams))
         rates = _alternate(systems, op, batch_size * 24, device, repeats, warmup)
-        unit, flops = "new tokens/s", None
+        unit, flops = "new tok/s", None
     records = []
     for name, values in rates.items():
         record = {"workload": workload, "size": size, "system": name, "median": statistics.median(values),
@@ -115,12 +114,23 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
     return records
 
 
-def _rss_mib() -> float:
+def _status_mib(field: str) -> float:
+    """VmRSS (resident now) or VmHWM (peak resident) of this process, from /proc."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def _reset_peak_rss() -> None:
+    """Start VmHWM afresh (Linux >= 4.0). getrusage's ru_maxrss cannot be used: it carries the parent's
+    peak across fork and exec."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def probe_memory(system_key: str, size: str, device_name: str) -> dict:
@@ -132,7 +142,8 @@ def probe_memory(system_key: str, size: str, device_name: str) -> dict:
     cls = Tformer if system_key == "tformer" else PEERS[system_key]
     importlib.import_module(LIBRARIES[system_key])  # library code is loaded before the baseline
     batch = make_batch(SIZES[size], 64, 24, device)
-    base = _rss_mib()
+    _reset_peak_rss()
+    base = _status_mib("VmRSS")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     system = cls(SIZES[size], device, fused=True)
@@ -142,7 +153,7 @@ def probe_memory(system_key: str, size: str, device_name: str) -> dict:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+        peak = _status_mib("VmHWM") - base
     return {"system": system.name, "peak_mib": peak}
 
 
@@ -152,7 +163,7 @@ def run_memory(size: str, device, peers) -> list[dict]:
         out = subprocess.run([sys.executable, __file__, "--probe-memory", key, size, device.type],
                              capture_output=True, text=True, check=True)
         probe = json.loads(out.stdout.strip().splitlines()[-1])
-        unit = "MiB (CUDA max allocated)" if device.type == "cuda" else "MiB (peak RSS above baseline)"
+        unit = "MiB CUDA peak" if device.type == "cuda" else "MiB peak RSS"
         records.append({"workload": "memory", "size": size, "system": probe["system"], "median": probe["peak_mib"],
                         "min": probe["peak_mib"], "max": probe["peak_mib"], "unit": unit})
     return records
