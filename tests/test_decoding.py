@@ -118,3 +118,20 @@ def test_sampling_nbest_draws_several_samples_per_source(model):
     assert len(groups) == 5 and all(len(g) == 4 for g in groups)
     assert all([h.score for h in g] == sorted((h.score for h in g), reverse=True) for g in groups)
     assert any(len({tuple(h.tokens) for h in g}) > 1 for g in groups)
+
+
+def test_reordering_within_beams_equals_a_full_select(model):
+    src = _sources()[:2].repeat_interleave(3, dim=0)  # 2 sentences x 3 beams
+    tgt = torch.randint(4, VOCAB, (6, 4))
+    encoded = model.encode(src)
+    full, partial = model.start_cache(encoded), model.start_cache(encoded)
+    with torch.no_grad():
+        for cache in (full, partial):
+            model.decode(tgt, encoded, cache)
+        index = torch.tensor([2, 2, 0, 4, 3, 3])  # rows stay within their sentence's block
+        full.select(index)
+        partial.reorder(index)
+        step = torch.randint(4, VOCAB, (6, 1))
+        a = model.decode(step, encoded, full).hidden
+        b = model.decode(step, encoded, partial).hidden
+    torch.testing.assert_close(a, b)

@@ -159,7 +159,7 @@ def beam_search(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> 
         token = top_token.gather(1, pick).view(-1)
         history = torch.cat([history[origin], token[:, None]], dim=1)
         scores, last = live_scores, token[:, None]
-        cache.select(origin)
+        cache.reorder(origin)  # beams move within their sentence: cross-attention K/V stay put
         done = _sentences_done(finished, alive, live_scores, history, t + 1, limits, options)
         if all(done):
             break

@@ -11,6 +11,7 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     train = [r for r in records if r.get("split") == "train"]
     valid = [r for r in records if r.get("split") == "validation"]
@@ -22,6 +23,8 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("loss (nats / target token)")
     loss_ax.set_yscale("log")
+    loss_ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    loss_ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
     loss_ax.legend()
     loss_ax.grid(alpha=0.3)
     for ax, key in zip(axes[0][1:], metrics):

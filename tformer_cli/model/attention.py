@@ -108,10 +108,16 @@ class KVCache:
         self.k, self.v = k, v
 
     def select(self, index: Tensor) -> None:
-        """Keep batch rows ``index`` (reorder beams, or drop finished sentences)."""
-        if self.k is not None:
-            self.k = self.k.index_select(0, index)
-            self.v = self.v.index_select(0, index)
+        """Keep batch rows ``index`` (reorder beams, or drop finished sentences), copying only the
+        filled part of the storage."""
+        if self.k is None:
+            return
+        filled = self.length
+        k = self.k.new_empty((index.numel(),) + self.k.shape[1:])
+        v = self.v.new_empty((index.numel(),) + self.v.shape[1:])
+        k[:, :, :filled] = self.k[:, :, :filled].index_select(0, index)
+        v[:, :, :filled] = self.v[:, :, :filled].index_select(0, index)
+        self.k, self.v = k, v
 
 
 class MultiHeadAttention(nn.Module):

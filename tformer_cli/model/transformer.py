@@ -49,10 +49,16 @@ class DecoderCache:
         self.position = 0  # number of target tokens decoded so far
 
     def select(self, index: Tensor) -> None:
-        """Keep batch rows ``index``: reorder beams, or drop finished sentences."""
+        """Keep batch rows ``index``: drop finished sentences (or reorder rows freely)."""
         for layer in self.layers:
             layer.select(index)
         self.memory_mask = self.memory_mask.index_select(0, index)
+
+    def reorder(self, index: Tensor) -> None:
+        """Reorder rows within groups that share a source, such as the beams of one sentence: their
+        cross-attention K/V and source mask are identical, so only the self-attention K/V move."""
+        for layer in self.layers:
+            layer.self_kv.select(index)
 
 
 class Encoder(nn.Module):
