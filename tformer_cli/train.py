@@ -167,12 +167,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     src_lengths, tgt_lengths = [len(s) for s in data.src], [len(t) for t in data.tgt]
     steps_per_epoch = math.ceil(len(token_batches(src_lengths, tgt_lengths, cfg.max_tokens)) / cfg.grad_accum)
     total_steps = _total_steps(cfg, steps_per_epoch)
-    notify("start", {"run_dir": str(run_dir), "device": str(device), "resumed_at": state.step,
-                     "parameters": sum(p.numel() for p in model.parameters()), "train_pairs": len(data),
-                     "validation_pairs": len(setup.valid_data) if setup.valid_data else 0,
-                     "dropped_long": data.dropped_long, "dropped_empty": data.dropped_empty,
-                     "truncated": data.truncated, "steps_per_epoch": steps_per_epoch, "total_steps": total_steps,
-                     "vocab_size": setup.vocab.tgt_size, "epoch": state.epoch})
+    notify("start", _start_info(setup, steps_per_epoch, total_steps))
     stop_reason, last_eval = None, None
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
@@ -209,7 +204,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 window["tokens"] += group_tokens
                 if state.step % cfg.log_every == 0:  # callback
                     _log(notify, run_dir, state, window, lr, total_steps, rank)
-                stop_reason = _stop_reason(cfg, state, steps_per_epoch)
+                stop_reason = _stop_reason(cfg, state)
                 if setup.valid_data is not None and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
                     last_eval = _evaluate(setup, state, notify, rank)
                     if cfg.patience and state.evals_without_improvement >= cfg.patience and not stop_reason:
@@ -219,7 +214,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
             if state.batch_in_epoch >= len(batches):
                 state.epoch += 1
                 state.batch_in_epoch = 0
-                stop_reason = stop_reason or _stop_reason(cfg, state, steps_per_epoch)
+                stop_reason = stop_reason or _stop_reason(cfg, state)
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         optimizer.zero_grad(set_to_none=True)
@@ -229,6 +224,16 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
             signal.signal(signal.SIGTERM, previous_sigterm)
     notify("end", {"state": asdict(state), "stop_reason": stop_reason, "last_eval": last_eval})
     return TrainResult(run_dir, state, stop_reason, last_eval)
+
+
+def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
+    data = setup.train_data
+    return {"run_dir": str(setup.run_dir), "device": str(setup.device), "resumed_at": setup.state.step,
+            "parameters": sum(p.numel() for p in setup.model.parameters()), "train_pairs": len(data),
+            "validation_pairs": len(setup.valid_data) if setup.valid_data else 0,
+            "dropped_long": data.dropped_long, "dropped_empty": data.dropped_empty, "truncated": data.truncated,
+            "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "vocab_size": setup.vocab.tgt_size,
+            "epoch": setup.state.epoch}
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -248,7 +253,7 @@ def _total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
     return min(limits) if limits else None
 
 
-def _stop_reason(cfg: TrainConfig, state: TrainState, steps_per_epoch: int) -> str | None:
+def _stop_reason(cfg: TrainConfig, state: TrainState) -> str | None:
     if cfg.max_steps and state.step >= cfg.max_steps:
         return f"reached train.max_steps {cfg.max_steps}"
     if cfg.epochs and state.epoch >= cfg.epochs:
