@@ -1,7 +1,7 @@
 from tformer_cli.tokenizer import BOS_ID, EOS_ID, PAD_ID, SPECIALS, UNK_ID, Vocabulary
 
 TEXTS = [
-    "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche.",
+    "Drei kleine Füchse laufen über die weiße Brücke in Köln.",
     "A man (in a blue shirt) says: \"Hello, world!\" — doesn't he?",
     "Ein Café à la française coûte 3,50 € – été, naïve, Øresund.",
     "twenty-one thousand four hundred",
@@ -41,4 +41,4 @@ def test_save_and_load_joint_and_separate(tmp_path):
 
 def test_lowercase_option():
     vocab = Vocabulary.train([(t, t) for t in TEXTS], vocab_size=200, min_frequency=1, lowercase=True)
-    assert vocab.decode_targets(vocab.encode_targets(["Zwei Männer"])) == ["zwei männer"]
+    assert vocab.decode_targets(vocab.encode_targets(["Drei Füchse"])) == ["drei füchse"]
