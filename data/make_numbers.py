@@ -21,6 +21,7 @@ DE_ONES = ["null", "eins", "zwei", "drei", "vier", "fünf", "sechs", "sieben", "
            "zwölf", "dreizehn", "vierzehn", "fünfzehn", "sechzehn", "siebzehn", "achtzehn", "neunzehn"]
 DE_TENS = ["", "", "zwanzig", "dreißig", "vierzig", "fünfzig", "sechzig", "siebzig", "achtzig", "neunzig"]
 SIZES = {"train": 20000, "validation": 1000, "test": 1000}
+SMALL_REPEATS = 10  # numbers below 100 are few (99) among 20,000: the training split repeats each of them
 
 
 def english(n: int) -> str:
@@ -65,8 +66,11 @@ def main(out: Path = Path(__file__).parent / "numbers", seed: int = 1234) -> Non
     out.mkdir(parents=True, exist_ok=True)
     start = 0
     for split, size in SIZES.items():
+        chosen = numbers[start:start + size]
+        if split == "train":
+            chosen += [n for n in chosen if n < 100] * (SMALL_REPEATS - 1)
         with (out / f"{split}.jsonl").open("w") as f:
-            for n in numbers[start:start + size]:
+            for n in chosen:
                 f.write(json.dumps({"en": english(n), "de": german(n), "value": n}, ensure_ascii=False) + "\n")
         start += size
 
