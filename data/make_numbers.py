@@ -21,7 +21,7 @@ DE_ONES = ["null", "eins", "zwei", "drei", "vier", "fünf", "sechs", "sieben", "
            "zwölf", "dreizehn", "vierzehn", "fünfzehn", "sechzehn", "siebzehn", "achtzehn", "neunzehn"]
 DE_TENS = ["", "", "zwanzig", "dreißig", "vierzig", "fünfzig", "sechzig", "siebzig", "achtzig", "neunzig"]
 SIZES = {"train": 20000, "validation": 1000, "test": 1000}
-SMALL_REPEATS = 10  # numbers below 100 are few (99) among 20,000: the training split repeats each of them
+SMALL_REPEATS = 40  # numbers below 100 are few (99) among 20,000: the training split repeats each of them
 
 
 def english(n: int) -> str:
