@@ -185,10 +185,10 @@ def generate(
     from tformer_cli.render import generation_lines, warn
     from tformer_cli.runtime import load_run, resolve_device
 
+    if nbest < 1:  # checked before the model is loaded
+        raise UsageError(f"--nbest {nbest}: must be >= 1")
     dev = resolve_device(device or "auto")
     loaded = load_run(run, dev)
-    if nbest < 1:
-        raise UsageError(f"--nbest {nbest}: must be >= 1")
     limits = {"max_len_a": 0.0, "max_len_b": max_len} if max_len else {}
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam, sample=sample,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, nbest=nbest,

@@ -6,7 +6,6 @@ Library modules return data; this module turns it into output. matplotlib is imp
 from __future__ import annotations
 
 import json
-import math
 import sys
 from typing import Any
 
@@ -78,16 +77,6 @@ def param_table(summary: dict) -> None:
     notes.add_row("weights + grads + Adam, fp32 / bf16 mixed",
                   f"{human_bytes(mem['adam_training_fp32'])} / {human_bytes(mem['adam_training_bf16'])}")
     console.print(notes)
-
-
-def fmt(value: Any, digits: int = 4) -> str:
-    if isinstance(value, float):
-        if math.isnan(value) or math.isinf(value):
-            return str(value)
-        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
 
 
 def error_lines(message: str) -> None:

@@ -181,12 +181,12 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 # batch: grad_accum consecutive batches make one optimizer step
                 group = [collate(data, ids) for ids in batches[state.batch_in_epoch:state.batch_in_epoch + cfg.grad_accum]]
                 group_tokens = sum(b.num_tokens for b in group)
-                nll_sum = 0.0
+                nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
                 for batch in group:
                     with amp:  # forward + loss
                         loss, nll = loss_fn(model, batch.to(device), cfg.label_smoothing)
                     scaler.scale(loss / group_tokens).backward()  # backward
-                    nll_sum += nll.item()
+                    nll_sum += nll
                 scaler.unscale_(optimizer)
                 if cfg.clip_grad_norm:  # clip
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
@@ -266,7 +266,7 @@ def _stop_reason(cfg: TrainConfig, state: TrainState) -> str | None:
 def _log(notify: Callback, run_dir: Path, state: TrainState, window: dict, lr: float, total: int | None,
          rank: int) -> None:
     now = time.perf_counter()
-    loss = window["loss"] / max(window["tokens"], 1)
+    loss = float(window["loss"]) / max(window["tokens"], 1)  # the one host sync per log interval
     record = {"step": state.step, "epoch": state.epoch, "loss": loss, "ppl": math.exp(min(loss, 50)), "lr": lr,
               "tokens_per_s": window["tokens"] / max(now - window["start"], 1e-9), "elapsed": state.elapsed,
               "total_steps": total}
