@@ -3,6 +3,7 @@
     python benchmarks/run.py                                  # every workload, sizes small and base
     python benchmarks/run.py --workloads train,greedy --sizes small --json results.json
     python benchmarks/run.py --device cuda                    # bf16 autocast on a GPU
+    python benchmarks/run.py --precision bf16                 # bf16 autocast on a CPU with AVX-512 BF16 / AMX
 
 Systems run alternately in the same process, several timed repetitions after warm-up; the table
 gives medians, min-max and tformer's ratio to the best peer. Peers: torch's nn.Transformer (a),
@@ -32,9 +33,10 @@ HIGHER_IS_BETTER = {"train": True, "greedy": True, "beam": True, "memory": False
 MULTI30K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
 
 
-def matmul_peak(device: torch.device) -> float:
-    """Measured FLOP/s of a large matrix product: fp32 on CPU, bf16 on CUDA."""
-    n, dtype = (2048, torch.float32) if device.type == "cpu" else (8192, torch.bfloat16)
+def matmul_peak(device: torch.device, precision: str) -> float:
+    """Measured FLOP/s of a large matrix product in the benchmark's precision."""
+    n = 2048 if device.type == "cpu" else 8192
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     for _ in range(2):
         a @ b
@@ -52,8 +54,11 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+PRECISION = "fp32"  # set once by main(): every system runs under the same autocast
+
+
 def _autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16) if PRECISION == "bf16" else nullcontext()
 
 
 def _systems(size, device, peers: list[str]) -> list:
@@ -133,8 +138,10 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def probe_memory(system_key: str, size: str, device_name: str) -> dict:
+def probe_memory(system_key: str, size: str, device_name: str, precision: str) -> dict:
     """In a fresh process: peak memory of training steps above the memory before the model existed."""
+    global PRECISION
+    PRECISION = precision
     device = torch.device(device_name)
     from tformer_cli.runtime import tune_allocator
 
@@ -160,7 +167,7 @@ def probe_memory(system_key: str, size: str, device_name: str) -> dict:
 def run_memory(size: str, device, peers) -> list[dict]:
     records = []
     for key in ["tformer", *peers]:
-        out = subprocess.run([sys.executable, __file__, "--probe-memory", key, size, device.type],
+        out = subprocess.run([sys.executable, __file__, "--probe-memory", key, size, device.type, PRECISION],
                              capture_output=True, text=True, check=True)
         probe = json.loads(out.stdout.strip().splitlines()[-1])
         unit = "MiB CUDA peak" if device.type == "cuda" else "MiB peak RSS"
@@ -216,7 +223,7 @@ def print_table(records: list[dict], device: str, peak: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"tformer vs peers on {device} · matmul peak {peak / 1e9:,.0f} GFLOP/s", title_justify="left")
+    table = Table(title=f"tformer vs peers on {device} · {PRECISION} · matmul peak {peak / 1e9:,.0f} GFLOP/s", title_justify="left")
     for column in ("workload", "size", "system", "median", "min–max", "unit", "MFU", "tformer / best peer"):
         table.add_column(column, justify="right" if column not in ("workload", "system", "unit", "size") else "left")
     for r in records:
@@ -235,9 +242,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--train-batch", type=int, default=64, help="sentences of 24 tokens per training step")
+    parser.add_argument("--precision", choices=["fp32", "bf16"],
+                        help="autocast for every system (default: fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--probe-memory", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-memory", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global PRECISION
+    PRECISION = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     if args.probe_memory:
         print(json.dumps(probe_memory(*args.probe_memory)))
         return
@@ -250,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     missing = sorted(set(args.peers.split(",")) - set(peers))
     if missing:
         print(f"skipping peers that are not installed: {', '.join(missing)} (pip install -e '.[bench]')")
-    peak = matmul_peak(device)
+    peak = matmul_peak(device, PRECISION)
     records: list[dict] = []
     for workload in args.workloads.split(","):
         for size in args.sizes.split(","):
@@ -267,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(records, f"{device.type} ({os.cpu_count()} cores)" if device.type == "cpu"
                 else torch.cuda.get_device_name(), peak)
     if args.json:
-        meta = {"device": args.device, "matmul_peak_flops": peak, "torch": torch.__version__}
+        meta = {"device": args.device, "precision": PRECISION, "matmul_peak_flops": peak, "torch": torch.__version__}
         args.json.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
 
 

@@ -160,3 +160,16 @@ def test_a_new_run_never_overwrites_an_old_one(tmp_path):
     config, run_dir = prepare_run(path, None, [], tmp_path / "run", overwrite=True)
     assert not run_dir.exists()
     assert find_weights(tmp_path / "run") if run_dir.exists() else True
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_autocast_trains_on_cpu_and_warns_where_it_would_be_slow(tmp_path, monkeypatch, native):
+    monkeypatch.setattr("tformer_cli.train._fast_on_cpu", lambda precision: native)
+    path = write_config(tmp_path / "b.yaml", train={"max_steps": 3, "precision": "bf16", "device": "cpu"})
+    events = []
+    result = train(load_config(path), tmp_path / "run", callback=lambda event, data: events.append((event, data)))
+    assert result.state.step == 3
+    losses = [data["loss"] for event, data in events if event == "step"]
+    assert losses and all(math.isfinite(loss) for loss in losses)
+    warnings = [data["message"] for event, data in events if event == "warning"]
+    assert (warnings == []) if native else ("set train.precision=fp32" in warnings[0])

@@ -104,6 +104,9 @@ class TrainProgress:
     def _on_setup(self, data: dict[str, Any]) -> None:
         err_console.print(f"[dim]{data['message']}…[/]")
 
+    def _on_warning(self, data: dict[str, Any]) -> None:
+        warn(data["message"])
+
     def _on_start(self, data: dict[str, Any]) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 

@@ -163,6 +163,9 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     model, optimizer, state, data = setup.model, setup.optimizer, setup.state, setup.train_data
     loss_fn = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
     amp = _autocast(device, cfg.precision)
+    if device.type == "cpu" and cfg.precision != "fp32" and not _fast_on_cpu(cfg.precision):
+        notify("warning", {"message": f"train.precision {cfg.precision}: this CPU has no native {cfg.precision} "
+                                      "matrix products, so it runs slower than fp32; set train.precision=fp32"})
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     src_lengths, tgt_lengths = [len(s) for s in data.src], [len(t) for t in data.tgt]
     steps_per_epoch = math.ceil(len(token_batches(src_lengths, tgt_lengths, cfg.max_tokens)) / cfg.grad_accum)
@@ -244,6 +247,13 @@ def _autocast(device: torch.device, precision: str):
     if precision == "fp32":
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def _fast_on_cpu(precision: str) -> bool:
+    """Whether oneDNN has native kernels for this precision here (AVX-512 BF16 / AMX, AVX-512 FP16)."""
+    if precision == "bf16":
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
 def _total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:

@@ -78,46 +78,47 @@ def _and_masks(mask: Tensor, causal: Tensor) -> Tensor:
 class KVCache:
     """Self-attention keys and values of the tokens decoded so far, for one layer.
 
-    Storage is preallocated and doubled when full, so appending T tokens one by one costs O(T)
-    copies in total, not O(T^2) as with concatenation.
+    Storage is one time-major buffer, (capacity, B, 2, H, d_k) for keys and values together: the
+    filled part is a single contiguous block, so appending writes one slot, and reordering beams or
+    dropping finished sentences is one ``index_select`` straight into the new buffer. The buffer is
+    doubled when full, so appending T tokens one by one costs O(T) copies, not O(T^2).
     """
 
     def __init__(self, capacity: int = 64) -> None:
         self.capacity = capacity
         self.length = 0
-        self.k: Tensor | None = None  # (B, H, capacity, d_k)
-        self.v: Tensor | None = None
+        self.kv: Tensor | None = None  # (capacity, B, 2, H, d_k)
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Add (B, H, T_new, d_k) keys/values; return views of all keys/values so far."""
+        """Add (B, H, T_new, d_k) keys/values; return (B, H, T, d_k) views of all of them so far."""
         new_length = self.length + k.shape[2]
-        if self.k is None or new_length > self.k.shape[2]:
-            self._grow(k, max(new_length, 2 * (self.k.shape[2] if self.k is not None else self.capacity)))
-        self.k[:, :, self.length:new_length] = k
-        self.v[:, :, self.length:new_length] = v
+        if self.kv is None or new_length > self.kv.shape[0]:
+            self._grow(k, max(new_length, 2 * (self.kv.shape[0] if self.kv is not None else self.capacity)))
+        self.kv[self.length:new_length, :, 0] = k.permute(2, 0, 1, 3)
+        self.kv[self.length:new_length, :, 1] = v.permute(2, 0, 1, 3)
         self.length = new_length
-        return self.k[:, :, :new_length], self.v[:, :, :new_length]
+        return self.keys(), self.values()
+
+    def keys(self) -> Tensor:
+        return self.kv[:self.length, :, 0].permute(1, 2, 0, 3)
+
+    def values(self) -> Tensor:
+        return self.kv[:self.length, :, 1].permute(1, 2, 0, 3)
 
     def _grow(self, like: Tensor, capacity: int) -> None:
         B, H, _, d_k = like.shape
-        k = like.new_empty(B, H, capacity, d_k)
-        v = like.new_empty(B, H, capacity, d_k)
-        if self.k is not None:
-            k[:, :, : self.length] = self.k[:, :, : self.length]
-            v[:, :, : self.length] = self.v[:, :, : self.length]
-        self.k, self.v = k, v
+        kv = like.new_empty(capacity, B, 2, H, d_k)
+        if self.kv is not None:
+            kv[:self.length] = self.kv[:self.length]
+        self.kv = kv
 
     def select(self, index: Tensor) -> None:
-        """Keep batch rows ``index`` (reorder beams, or drop finished sentences), copying only the
-        filled part of the storage."""
-        if self.k is None:
+        """Keep batch rows ``index`` (reorder beams, or drop finished sentences)."""
+        if self.kv is None:
             return
-        filled = self.length
-        k = self.k.new_empty((index.numel(),) + self.k.shape[1:])
-        v = self.v.new_empty((index.numel(),) + self.v.shape[1:])
-        k[:, :, :filled] = self.k[:, :, :filled].index_select(0, index)
-        v[:, :, :filled] = self.v[:, :, :filled].index_select(0, index)
-        self.k, self.v = k, v
+        kv = self.kv.new_empty((self.kv.shape[0], index.numel()) + self.kv.shape[2:])
+        torch.index_select(self.kv[:self.length], 1, index, out=kv[:self.length])
+        self.kv = kv
 
 
 class MultiHeadAttention(nn.Module):
