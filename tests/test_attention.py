@@ -89,3 +89,20 @@ def test_kv_cache_grows_and_returns_all_keys_in_order():
     cache.select(torch.tensor([1, 0, 1]))
     expected = torch.cat(keys, dim=2)[[1, 0, 1]]
     assert torch.equal(cache.keys(), expected) and torch.equal(cache.values(), expected * 2)
+
+
+def test_bf16_autocast_training_on_cpu_keeps_dtype_and_matches_fp32_gradients():
+    q, k, v = (torch.randn(2, 3, 5, 8, requires_grad=True) for _ in range(3))
+    mask = torch.rand(2, 1, 5, 5) > 0.3
+    mask[..., 0] = True  # every query sees at least one key
+    expected, _ = scaled_dot_product_attention(q, k, v, mask)
+    expected.square().sum().backward()
+    reference = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), reference):
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
