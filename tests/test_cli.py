@@ -42,6 +42,20 @@ def test_eval_reports_scores_and_writes_hypotheses(run_dir, tmp_path):
     assert table.exit_code == 0 and "BLEU" in table.output and "sacreBLEU nrefs:1" in table.output
 
 
+def test_eval_and_generate_under_bf16_autocast(run_dir):
+    args = ["eval", str(run_dir), "--split", "validation", "--max-samples", "16", "--beam", "1", "--json"]
+    fp32 = json.loads(runner.invoke(app, args).stdout)
+    result = runner.invoke(app, args + ["--precision", "bf16"])
+    assert result.exit_code == 0, result.output
+    bf16 = json.loads(result.stdout)
+    assert bf16["precision"] == "bf16" and bf16["sentences"] == 16
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05, abs=0.02)
+    generated = runner.invoke(app, ["generate", str(run_dir), "seven", "twelve", "--precision", "bf16"])
+    assert generated.exit_code == 0 and len(generated.stdout.splitlines()) == 2
+    bad = runner.invoke(app, ["eval", str(run_dir), "--precision", "int4"])
+    assert bad.exit_code == 1 and "use fp32, bf16 or fp16" in bad.output and "Traceback" not in bad.output
+
+
 def test_eval_on_other_files(run_dir, tmp_path):
     data = tmp_path / "mine.jsonl"
     data.write_text('{"number": "seven", "zahl": "sieben"}\n{"number": "ten", "zahl": "zehn"}\n')

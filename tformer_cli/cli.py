@@ -53,6 +53,9 @@ SetOpt = Annotated[Optional[list[str]], typer.Option(
 DeviceOpt = Annotated[Optional[str], typer.Option(
     "--device", help="auto | cpu | cuda (default: the config's train.device).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
+PrecisionOpt = Annotated[str, typer.Option(
+    help="fp32 | bf16 | fp16: autocast while decoding (bf16 is fast on GPUs and on CPUs with AVX-512 BF16 or AMX).",
+    rich_help_panel=ADVANCED)]
 
 
 def _version(value: bool) -> None:
@@ -122,6 +125,7 @@ def eval_command(
     batch_size: BatchOpt = None,
     length_penalty: AlphaOpt = None,
     device: DeviceOpt = None,
+    precision: PrecisionOpt = "fp32",
     json_output: JsonOpt = False,
 ) -> None:
     """Score a trained model: loss, perplexity, BLEU, chrF, exact match and decoding speed.
@@ -136,9 +140,10 @@ def eval_command(
     from tformer_cli.decoding import DecodeOptions
     from tformer_cli.evaluation import evaluate_run
     from tformer_cli.render import eval_table, print_json
-    from tformer_cli.runtime import load_run, resolve_device
+    from tformer_cli.runtime import autocast, load_run, resolve_device
 
     dev = resolve_device(device or "auto")
+    amp = autocast(dev, precision)  # checked before the model is loaded
     loaded = load_run(run, dev)
     data = loaded.config.data
     if data_files:
@@ -146,12 +151,13 @@ def eval_command(
     data = replace(data, source=source_field or data.source, target=target_field or data.target,
                    max_samples=max_samples)
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=beam, length_penalty=length_penalty)
-    result = evaluate_run(loaded.model, loaded.vocab, data, split, options, batch_size or loaded.config.decode.batch_size,
-                          loaded.config.train.max_tokens, dev)
+    with amp:
+        result = evaluate_run(loaded.model, loaded.vocab, data, split, options,
+                              batch_size or loaded.config.decode.batch_size, loaded.config.train.max_tokens, dev)
     hypotheses = result.pop("hypotheses")
     if output:
         output.write_text("".join(h + "\n" for h in hypotheses))
-    result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam=options.beam_size)
+    result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam=options.beam_size, precision=precision)
     print_json(result) if json_output else eval_table(result)
 
 
@@ -170,6 +176,7 @@ def generate(
     batch_size: BatchOpt = None,
     length_penalty: AlphaOpt = None,
     device: DeviceOpt = None,
+    precision: PrecisionOpt = "fp32",
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object a line.")] = False,
 ) -> None:
     """Translate texts given as arguments, or standard input line by line (one output line per input).
@@ -183,11 +190,12 @@ def generate(
 
     from tformer_cli.decoding import DecodeOptions, translate
     from tformer_cli.render import generation_lines, warn
-    from tformer_cli.runtime import load_run, resolve_device
+    from tformer_cli.runtime import autocast, load_run, resolve_device
 
     if nbest < 1:  # checked before the model is loaded
         raise UsageError(f"--nbest {nbest}: must be >= 1")
     dev = resolve_device(device or "auto")
+    amp = autocast(dev, precision)
     loaded = load_run(run, dev)
     limits = {"max_len_a": 0.0, "max_len_b": max_len} if max_len else {}
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam, sample=sample,
@@ -196,7 +204,9 @@ def generate(
     size = batch_size or loaded.config.decode.batch_size
     lines = iter(texts) if texts else (line.rstrip("\r\n") for line in sys.stdin)
     for chunk in _chunks(lines, size if not texts else len(texts)):
-        for result in translate(loaded.model, loaded.vocab, chunk, options, size, dev):
+        with amp:
+            results = translate(loaded.model, loaded.vocab, chunk, options, size, dev)
+        for result in results:
             if result.truncated:
                 warn(f"input longer than the model's {loaded.config.model.max_len} positions was truncated: "
                      f"{result.source[:40]}…")

@@ -22,6 +22,7 @@ import json
 import os
 import random
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,15 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
 
+
+
+def autocast(device: torch.device, precision: str):
+    """Autocast for "bf16" / "fp16" (matrix products in that type, reductions in fp32); none for "fp32"."""
+    if precision == "fp32":
+        return nullcontext()
+    if precision not in ("bf16", "fp16"):
+        raise UsageError(f"precision {precision!r}: use fp32, bf16 or fp16")
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}

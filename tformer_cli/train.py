@@ -12,7 +12,6 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from tformer_cli.errors import CheckpointError, DataError, UsageError
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.runtime import (
-    WEIGHTS, append_jsonl, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint,
+    WEIGHTS, append_jsonl, autocast, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint,
     save_run_files, save_weights, seed_everything, set_rng_state, step_checkpoints, tune_allocator)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
@@ -162,7 +161,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     setup = _Setup(config, run_dir, resume, device, notify)
     model, optimizer, state, data = setup.model, setup.optimizer, setup.state, setup.train_data
     loss_fn = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
-    amp = _autocast(device, cfg.precision)
+    amp = autocast(device, cfg.precision)
     if device.type == "cpu" and cfg.precision != "fp32" and not _fast_on_cpu(cfg.precision):
         notify("warning", {"message": f"train.precision {cfg.precision}: this CPU has no native {cfg.precision} "
                                       "matrix products, so it runs slower than fp32; set train.precision=fp32"})
@@ -241,12 +240,6 @@ def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) ->
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
-
-
-def _autocast(device: torch.device, precision: str):
-    if precision == "fp32":
-        return nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
 def _fast_on_cpu(precision: str) -> bool:
