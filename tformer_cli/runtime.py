@@ -53,7 +53,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-
 def autocast(device: torch.device, precision: str):
     """Autocast for "bf16" / "fp16" (matrix products in that type, reductions in fp32); none for "fp32"."""
     if precision == "fp32":
@@ -61,6 +60,7 @@ def autocast(device: torch.device, precision: str):
     if precision not in ("bf16", "fp16"):
         raise UsageError(f"precision {precision!r}: use fp32, bf16 or fp16")
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
 
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
