@@ -50,8 +50,9 @@ def scaled_dot_product_attention(
             is_causal = False
         if is_causal and q.shape[-2] != k.shape[-2]:
             mask, is_causal = _causal_for(q, k), False
-        if q.device.type == "cpu" and q.dtype != torch.float32 and q.requires_grad:
-            # torch's fused CPU attention runs its backward ~4x slower in bf16 than in fp32: train it in fp32
+        if q.device.type == "cpu" and q.dtype != torch.float32 and q.requires_grad and dropout_p == 0.0:
+            # torch's fused CPU kernel (used without dropout) runs its backward ~4x slower in bf16 than in
+            # fp32, with the same result (it accumulates in fp32 either way): train it in fp32
             q, k, v, dtype = q.float(), k.float(), v.float(), q.dtype
             mask = mask.float() if mask is not None and mask.is_floating_point() else mask
             with torch.autocast("cpu", enabled=False):
