@@ -71,18 +71,18 @@ def _systems(size, device, peers: list[str]) -> list:
 
 def _alternate(systems, operation, work: float, device, repeats: int, warmup: int) -> dict[str, list[float]]:
     """Time ``operation(system)`` for each system in turn; return work/second per repetition."""
-    rates: dict[str, list[float]] = {}
-    for system in list(systems):
+    working = []
+    for system in systems:
         try:
             for _ in range(warmup):
                 with _autocast(device):
                     operation(system)
-            rates[system.name] = []
+            working.append(system)
         except RuntimeError as error:  # e.g. nn.Transformer's inference fast path under CPU bf16 autocast
             print(f"skipping {system.name}: {str(error).splitlines()[0]}", file=sys.stderr)
-            systems.remove(system)
+    rates: dict[str, list[float]] = {s.name: [] for s in working}
     for _ in range(repeats):
-        for system in systems:
+        for system in working:
             start = _now(device)
             with _autocast(device):
                 operation(system)

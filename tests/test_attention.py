@@ -106,3 +106,11 @@ def test_bf16_autocast_training_on_cpu_keeps_dtype_and_matches_fp32_gradients():
     out.float().square().sum().backward()
     for got, want in zip((q.grad, k.grad, v.grad), reference):
         torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+
+
+def test_fp64_training_attention_stays_fp64():
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    out, _ = scaled_dot_product_attention(q, q, q, is_causal=True)
+    expected = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected)

@@ -56,6 +56,13 @@ def test_eval_and_generate_under_bf16_autocast(run_dir):
     assert bad.exit_code == 1 and "use fp32, bf16 or fp16" in bad.output and "Traceback" not in bad.output
 
 
+def test_decoding_in_bf16_warns_on_a_cpu_without_native_bf16(run_dir, monkeypatch):
+    monkeypatch.setattr("tformer_cli.runtime.native_on_cpu", lambda precision: False)
+    result = runner.invoke(app, ["generate", str(run_dir), "seven", "--precision", "bf16"])
+    assert result.exit_code == 0 and len(result.stdout.splitlines()) == 1
+    assert "no native bf16" in result.stderr and "--precision fp32" in result.stderr
+
+
 def test_eval_on_other_files(run_dir, tmp_path):
     data = tmp_path / "mine.jsonl"
     data.write_text('{"number": "seven", "zahl": "sieben"}\n{"number": "ten", "zahl": "zehn"}\n')

@@ -140,10 +140,10 @@ def eval_command(
     from tformer_cli.decoding import DecodeOptions
     from tformer_cli.evaluation import evaluate_run
     from tformer_cli.render import eval_table, print_json
-    from tformer_cli.runtime import autocast, load_run, resolve_device
+    from tformer_cli.runtime import load_run, resolve_device
 
     dev = resolve_device(device or "auto")
-    amp = autocast(dev, precision)  # checked before the model is loaded
+    amp = _decoding_autocast(dev, precision)  # checked before the model is loaded
     loaded = load_run(run, dev)
     data = loaded.config.data
     if data_files:
@@ -159,6 +159,18 @@ def eval_command(
         output.write_text("".join(h + "\n" for h in hypotheses))
     result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam=options.beam_size, precision=precision)
     print_json(result) if json_output else eval_table(result)
+
+
+def _decoding_autocast(device, precision: str):
+    """The --precision autocast context; warns when it would be slower than fp32 here."""
+    from tformer_cli.render import warn
+    from tformer_cli.runtime import autocast, slow_precision
+
+    amp = autocast(device, precision)  # raises on an unknown precision
+    slow = slow_precision(device, precision)
+    if slow:
+        warn(f"--precision {slow}; use --precision fp32")
+    return amp
 
 
 @app.command()
@@ -190,12 +202,12 @@ def generate(
 
     from tformer_cli.decoding import DecodeOptions, translate
     from tformer_cli.render import generation_lines, warn
-    from tformer_cli.runtime import autocast, load_run, resolve_device
+    from tformer_cli.runtime import load_run, resolve_device
 
     if nbest < 1:  # checked before the model is loaded
         raise UsageError(f"--nbest {nbest}: must be >= 1")
     dev = resolve_device(device or "auto")
-    amp = autocast(dev, precision)
+    amp = _decoding_autocast(dev, precision)
     loaded = load_run(run, dev)
     limits = {"max_len_a": 0.0, "max_len_b": max_len} if max_len else {}
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam, sample=sample,

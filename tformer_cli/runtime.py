@@ -62,6 +62,20 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
+def native_on_cpu(precision: str) -> bool:
+    """Whether oneDNN has native kernels for this precision here (AVX-512 BF16 / AMX, AVX-512 FP16)."""
+    if precision == "bf16":
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+def slow_precision(device: torch.device, precision: str) -> str | None:
+    """Why ``precision`` would run slower than fp32 on ``device`` (a CPU without native kernels), or None."""
+    if device.type != "cpu" or precision == "fp32" or native_on_cpu(precision):
+        return None
+    return f"{precision}: this CPU has no native {precision} matrix products, so it runs slower than fp32"
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

@@ -25,7 +25,8 @@ from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.runtime import (
     WEIGHTS, append_jsonl, autocast, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint,
-    save_run_files, save_weights, seed_everything, set_rng_state, step_checkpoints, tune_allocator)
+    save_run_files, save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints,
+    tune_allocator)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 Callback = Callable[[str, dict[str, Any]], None]
@@ -162,9 +163,9 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     model, optimizer, state, data = setup.model, setup.optimizer, setup.state, setup.train_data
     loss_fn = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
     amp = autocast(device, cfg.precision)
-    if device.type == "cpu" and cfg.precision != "fp32" and not _fast_on_cpu(cfg.precision):
-        notify("warning", {"message": f"train.precision {cfg.precision}: this CPU has no native {cfg.precision} "
-                                      "matrix products, so it runs slower than fp32; set train.precision=fp32"})
+    slow = slow_precision(device, cfg.precision)
+    if slow:
+        notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     src_lengths, tgt_lengths = [len(s) for s in data.src], [len(t) for t in data.tgt]
     steps_per_epoch = math.ceil(len(token_batches(src_lengths, tgt_lengths, cfg.max_tokens)) / cfg.grad_accum)
@@ -240,13 +241,6 @@ def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) ->
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
-
-
-def _fast_on_cpu(precision: str) -> bool:
-    """Whether oneDNN has native kernels for this precision here (AVX-512 BF16 / AMX, AVX-512 FP16)."""
-    if precision == "bf16":
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
 def _total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
