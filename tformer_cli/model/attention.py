@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tformer_cli.model.dropout import dropout
+
 
 def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
     """(B, T) token ids -> (B, 1, 1, T) boolean mask, True at real (non-pad) keys."""
@@ -43,8 +45,9 @@ def scaled_dot_product_attention(
     Returns:
         (output (B, H, T_q, d_k), weights or None).
     """
-    if not need_weights:
-        # Fast path: fused kernels (flash / memory-efficient on CUDA, a fused CPU kernel otherwise).
+    if not need_weights and not (q.device.type == "cpu" and dropout_p > 0):
+        # Fast path: fused kernels (flash / memory-efficient on CUDA, a fused CPU kernel otherwise). With
+        # dropout on CPU torch falls back to the steps below, with a slower dropout (see model/dropout.py).
         if is_causal and mask is not None:
             mask = _and_masks(mask, _causal_for(q, k))
             is_causal = False
@@ -67,8 +70,8 @@ def scaled_dot_product_attention(
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     weights = scores.softmax(dim=-1)
-    dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-    return dropped @ v, weights  # (B, H, T_q, d_k)
+    out = dropout(weights, dropout_p) @ v  # (B, H, T_q, d_k)
+    return out, weights if need_weights else None
 
 
 def _causal_for(q: Tensor, k: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer_cli.model.attention import KVCache, MultiHeadAttention, RotaryEmbedding
+from tformer_cli.model.dropout import Dropout
 
 
 class PositionwiseFeedForward(nn.Module):
@@ -56,7 +57,7 @@ class TokenEmbedding(nn.Module):
             self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
         else:
             self.table = None
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, tokens: Tensor, position: int = 0) -> Tensor:
         """(B, T) token ids starting at ``position`` -> (B, T, d_model)."""
@@ -82,7 +83,7 @@ class EncoderLayer(nn.Module):
         self.ffn = PositionwiseFeedForward(d_model, d_ff, activation)
         self.norm1 = nn.LayerNorm(d_model, eps=eps)
         self.norm2 = nn.LayerNorm(d_model, eps=eps)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.norm_first = norm_first
 
     def forward(self, x: Tensor, mask: Tensor | None, rotary: RotaryEmbedding | None = None,
@@ -109,7 +110,7 @@ class DecoderLayer(nn.Module):
         self.norm1 = nn.LayerNorm(d_model, eps=eps)
         self.norm2 = nn.LayerNorm(d_model, eps=eps)
         self.norm3 = nn.LayerNorm(d_model, eps=eps)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.norm_first = norm_first
 
     def forward(self, x: Tensor, memory: Tensor | None, self_mask: Tensor | None, memory_mask: Tensor | None,

@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+from tformer_cli.model.dropout import Dropout, dropout
+
+
+def test_kept_elements_are_scaled_and_the_rate_is_p():
+    x = torch.randn(200, 500).abs() + 0.1  # no zeros of its own
+    out = dropout(x, 0.3)
+    kept = out != 0
+    assert abs(kept.float().mean().item() - 0.7) < 0.01  # 100,000 draws: the standard error is 0.0015
+    torch.testing.assert_close(out[kept], x[kept] / 0.7)
+
+
+def test_gradient_is_the_mask_over_keep_probability():
+    x = torch.randn(64, 32, requires_grad=True)
+    out = dropout(x, 0.25)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(x.grad, (out != 0).float() / 0.75)
+
+
+def test_backward_keeps_a_one_byte_mask():
+    saved = []
+    x = torch.randn(8, 16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        dropout(x, 0.1)
+    assert saved and all(t.dtype == torch.bool for t in saved)
+
+
+def test_seeded_masks_repeat_and_bf16_inputs_keep_their_dtype():
+    x = torch.randn(32, 32)
+    torch.manual_seed(5)
+    first = dropout(x, 0.5)
+    torch.manual_seed(5)
+    torch.testing.assert_close(dropout(x, 0.5), first)
+    assert dropout(x.bfloat16(), 0.5).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("p", [0.0, 0.4])
+def test_identity_in_eval_mode_and_at_zero_rate(p):
+    layer = Dropout(p).eval()
+    x = torch.randn(4, 4)
+    assert layer(x) is x
+    assert dropout(x, 0.0) is x
+
+
+def test_rate_one_drops_everything():
+    assert dropout(torch.ones(3, 3), 1.0).abs().sum().item() == 0
