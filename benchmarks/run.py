@@ -170,15 +170,19 @@ def probe_memory(system_key: str, size: str, device_name: str, precision: str) -
     return {"system": system.name, "peak_mib": peak}
 
 
-def run_memory(size: str, device, peers) -> list[dict]:
+def run_memory(size: str, device, peers, repeats: int = 3) -> list[dict]:
+    """Each system's peak in ``repeats`` fresh processes: a CPU peak moves by tens of MiB between runs."""
     records = []
+    unit = "MiB CUDA peak" if device.type == "cuda" else "MiB peak RSS"
     for key in ["tformer", *peers]:
-        out = subprocess.run([sys.executable, __file__, "--probe-memory", key, size, device.type, PRECISION],
-                             capture_output=True, text=True, check=True)
-        probe = json.loads(out.stdout.strip().splitlines()[-1])
-        unit = "MiB CUDA peak" if device.type == "cuda" else "MiB peak RSS"
-        records.append({"workload": "memory", "size": size, "system": probe["system"], "median": probe["peak_mib"],
-                        "min": probe["peak_mib"], "max": probe["peak_mib"], "unit": unit})
+        peaks = []
+        for _ in range(repeats):
+            out = subprocess.run([sys.executable, __file__, "--probe-memory", key, size, device.type, PRECISION],
+                                 capture_output=True, text=True, check=True)
+            probe = json.loads(out.stdout.strip().splitlines()[-1])
+            peaks.append(probe["peak_mib"])
+        records.append({"workload": "memory", "size": size, "system": probe["system"],
+                        "median": statistics.median(peaks), "min": min(peaks), "max": max(peaks), "unit": unit})
     return records
 
 
@@ -247,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--memory-repeats", type=int, default=3, help="fresh processes per memory probe")
     parser.add_argument("--train-batch", type=int, default=64, help="sentences of 24 tokens per training step")
     parser.add_argument("--precision", choices=["fp32", "bf16"],
                         help="autocast for every system (default: fp32 on CPU, bf16 on CUDA)")
@@ -274,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             if workload in ("train", "greedy", "beam"):
                 records += run_speed(workload, size, device, peers, args.repeats, args.warmup, peak, args.train_batch)
             elif workload == "memory":
-                records += run_memory(size, device, peers)
+                records += run_memory(size, device, peers, args.memory_repeats)
         if workload == "data":
             step = next((args.train_batch * 24 / r["median"] for r in records if r["workload"] == "train" and r["system"] == "tformer"
                          and r["size"] == "small"), None)
