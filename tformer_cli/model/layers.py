@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from tformer_cli.model.attention import KVCache, MultiHeadAttention, RotaryEmbedding
 from tformer_cli.model.dropout import Dropout
+from tformer_cli.model.linear import Linear
 
 
 class PositionwiseFeedForward(nn.Module):
@@ -21,8 +22,8 @@ class PositionwiseFeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu") -> None:
         super().__init__()
-        self.linear1 = nn.Linear(d_model, d_ff)
-        self.linear2 = nn.Linear(d_ff, d_model)
+        self.linear1 = Linear(d_model, d_ff)
+        self.linear2 = Linear(d_ff, d_model)
         self.activation = F.relu if activation == "relu" else F.gelu
 
     def forward(self, x: Tensor) -> Tensor:

@@ -1,0 +1,64 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tformer_cli.model import linear
+from tformer_cli.model.linear import Linear
+
+needs_packing = pytest.mark.skipif(not linear.PACKING, reason="torch has no oneDNN weight packing here")
+
+
+@needs_packing
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(64, 32), (4, 3, 32), (1, 32)])
+def test_packed_inference_matches_f_linear(shape, bias):
+    layer = Linear(32, 48, bias=bias)
+    x = torch.randn(shape)
+    with torch.inference_mode():
+        out = layer(x)
+    assert hasattr(layer, "_packed")  # the packed path ran
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert out.shape == (*shape[:-1], 48)
+
+
+@needs_packing
+def test_a_changed_weight_is_packed_again():
+    layer = Linear(16, 8)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        layer(x)
+        layer.weight.mul_(-2.0)  # what an optimizer step or load_state_dict does: in place
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.randn(8, 16))  # a new tensor altogether
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_training_uses_f_linear_and_the_state_dict_holds_no_packed_copy():
+    layer = Linear(16, 8)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        layer(x)
+    out = layer(x)
+    out.sum().backward()
+    torch.testing.assert_close(layer.weight.grad, torch.ones(5, 8).T @ x)
+    assert set(layer.state_dict()) == {"weight", "bias"}
+
+
+def test_other_dtypes_keep_f_linear():
+    layer = Linear(16, 8).double()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert not hasattr(layer, "_packed")
+
+
+@needs_packing
+def test_bf16_autocast_inference_matches_autocast_f_linear():
+    layer = Linear(32, 48)
+    x = torch.randn(6, 32)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        expected = F.linear(x, layer.weight, layer.bias)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert layer._packed[2] == torch.bfloat16
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
