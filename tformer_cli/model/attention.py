@@ -54,10 +54,7 @@ def scaled_dot_product_attention(
             is_causal = False
         if is_causal and q.shape[-2] != k.shape[-2]:
             mask, is_causal = _causal_for(q, k), False
-        if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and q.requires_grad \
-                and dropout_p == 0.0:
-            # torch's fused CPU kernel (taken without dropout) runs its backward ~4x slower in bf16 than in
-            # fp32: run it on fp32 copies of the inputs, which are small next to the matrix products
+        if _fp32_on_cpu(q, k, dropout_p):
             mask = mask.float() if mask is not None and mask.is_floating_point() else mask
             with torch.autocast("cpu", enabled=False):
                 out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=is_causal)
@@ -65,6 +62,7 @@ def scaled_dot_product_attention(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         return out, None
 
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a CPU cache keeps fp32 (see cache_dtype)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T_q, T_k)
     if is_causal:
         mask = _causal_for(q, k) if mask is None else _and_masks(mask, _causal_for(q, k))
@@ -73,6 +71,14 @@ def scaled_dot_product_attention(
     weights = scores.softmax(dim=-1)
     out = dropout(weights, dropout_p) @ v  # (B, H, T_q, d_k)
     return out, weights if need_weights else None
+
+
+def _fp32_on_cpu(q: Tensor, k: Tensor, dropout_p: float) -> bool:
+    """Whether to run torch's fused CPU kernel (taken without dropout) in fp32 on bf16/fp16 inputs. In
+    bf16 its backward is ~4x slower (training), and so is one query against keys (decoding, whose cache
+    is kept in fp32 for this). The inputs are small next to the matrix products, which stay bf16."""
+    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
+            and (q.requires_grad or k.dtype == torch.float32))
 
 
 def _causal_for(q: Tensor, k: Tensor) -> Tensor:
@@ -85,6 +91,14 @@ def _and_masks(mask: Tensor, causal: Tensor) -> Tensor:
     if mask.dtype == torch.bool:
         return mask & causal
     return mask.masked_fill(~causal, float("-inf"))
+
+
+def cache_dtype(like: Tensor) -> torch.dtype:
+    """Keys and values are cached in fp32 on a CPU: torch's CPU attention kernel is ~4x slower for a
+    bf16 query against bf16 keys than in fp32, and casting the whole cache at every step costs as much."""
+    if like.device.type == "cpu" and like.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return like.dtype
 
 
 class KVCache:
@@ -119,7 +133,7 @@ class KVCache:
 
     def _grow(self, like: Tensor, capacity: int) -> None:
         B, H, _, d_k = like.shape
-        kv = like.new_empty(capacity, B, 2, H, d_k)
+        kv = like.new_empty(capacity, B, 2, H, d_k, dtype=cache_dtype(like))
         if self.kv is not None:
             kv[:self.length] = self.kv[:self.length]
         self.kv = kv

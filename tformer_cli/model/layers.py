@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer_cli.model.attention import KVCache, MultiHeadAttention, RotaryEmbedding
+from tformer_cli.model.attention import KVCache, MultiHeadAttention, RotaryEmbedding, cache_dtype
 from tformer_cli.model.dropout import Dropout
 from tformer_cli.model.linear import Linear
 
@@ -147,7 +147,8 @@ class DecoderLayerCache:
 
     def __init__(self, memory_kv: tuple[Tensor, Tensor], capacity: int) -> None:
         self.self_kv = KVCache(capacity)
-        self.memory_kv = memory_kv  # cross-attention K/V, (B, H, S, d_k) each: fixed per source
+        # cross-attention K/V, (B, H, S, d_k) each: fixed per source
+        self.memory_kv = tuple(t.to(cache_dtype(t)) for t in memory_kv)
 
     def select(self, index: Tensor) -> None:
         self.self_kv.select(index)
