@@ -8,6 +8,12 @@ from tformer_cli.model.linear import Linear
 needs_packing = pytest.mark.skipif(not linear.PACKING, reason="torch has no oneDNN weight packing here")
 
 
+@pytest.fixture(autouse=True)
+def _pack_small_weights(monkeypatch):
+    """The layers here are tiny: pack them anyway."""
+    monkeypatch.setattr(linear, "MIN_WEIGHT", 0)
+
+
 @needs_packing
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(64, 32), (4, 3, 32), (1, 32)])
@@ -60,5 +66,16 @@ def test_bf16_autocast_inference_matches_autocast_f_linear():
         out = layer(x)
         expected = F.linear(x, layer.weight, layer.bias)
     assert out.dtype == expected.dtype == torch.bfloat16
-    assert layer._packed[2] == torch.bfloat16
+    assert layer._packed[1] == torch.bfloat16
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_packing
+def test_many_rows_and_small_weights_keep_f_linear(monkeypatch):
+    layer = Linear(16, 8)
+    with torch.no_grad():
+        layer(torch.randn(linear.MAX_ROWS + 1, 16))
+        assert not hasattr(layer, "_packed")
+        monkeypatch.setattr(linear, "MIN_WEIGHT", 16 * 8 + 1)
+        layer(torch.randn(4, 16))
+        assert not hasattr(layer, "_packed")

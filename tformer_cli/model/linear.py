@@ -7,7 +7,7 @@ freezing pass does for inference), the same products ran 1.3-2x faster for 64 ro
 for 4-16 rows on a 2-core AVX-512 CPU, the vocabulary projection most; under bf16 autocast, which
 casts the weight at every call, 2-4x. Training, fp16 and other devices keep ``F.linear``. The packed
 copy lives on the module, outside the state dict, and is rebuilt when the weight changes (an
-optimizer step, loading or averaging checkpoints).
+optimizer step, loading or averaging checkpoints). Products of more than MAX_ROWS rows keep F.linear.
 """
 
 from __future__ import annotations
@@ -18,41 +18,52 @@ from torch import Tensor, nn
 
 # torch's own (underscored) ops behind torch.compile's CPU weight packing; where absent, F.linear
 PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# oneDNN builds a kernel for every new row count (~0.8 ms, then cached), so rows are padded to a
+# multiple of ROW_MULTIPLE. Packing pays where reading the weight dominates: few rows (more than
+# MAX_ROWS, an encoder batch, gained ~10 %) and weights of MIN_WEIGHT elements or more (below, the
+# call overhead ate the gain).
+ROW_MULTIPLE = 8
+MAX_ROWS = 256
+MIN_WEIGHT = 2**17
 
 
 class Linear(nn.Linear):
     """``nn.Linear``; without autograd on a CPU, in fp32 or under bf16 autocast, computed from a
-    oneDNN-packed weight."""
+    oneDNN-packed weight where that pays."""
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = self._packed_dtype(x)
-        if dtype is None:
+        if not PACKING or torch.is_grad_enabled() or not x.is_cpu or self.in_features * self.out_features < MIN_WEIGHT:
             return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1]).to(dtype)  # (N, in_features)
+        n = x.numel() // self.in_features  # rows
+        dtype = _packed_dtype(x)
+        if dtype is None or n == 0 or n > MAX_ROWS or self.weight.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(n, self.in_features).to(dtype)
+        if n % ROW_MULTIPLE:
+            rows = torch.cat([rows, rows.new_zeros(ROW_MULTIPLE - n % ROW_MULTIPLE, self.in_features)])
         weight, bias = self._packed_weight(dtype, rows.shape[0])
-        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")[:n]
         return out.view(*x.shape[:-1], self.out_features)
-
-    def _packed_dtype(self, x: Tensor) -> torch.dtype | None:
-        """The dtype to multiply in with a packed weight, or None to use F.linear."""
-        if (not PACKING or torch.is_grad_enabled() or x.device.type != "cpu" or x.numel() == 0
-                or self.weight.dtype != torch.float32):
-            return None
-        if torch.is_autocast_enabled("cpu"):  # autocast would cast the weight again at every call
-            return torch.bfloat16 if torch.get_autocast_dtype("cpu") == torch.bfloat16 else None
-        return torch.float32 if x.dtype == torch.float32 else None
 
     def _packed_weight(self, dtype: torch.dtype, rows: int) -> tuple[Tensor, Tensor | None]:
         """The packed weight and the bias in ``dtype``, packed again whenever the weight has changed."""
-        cache = getattr(self, "_packed", None)  # (weight it was packed from, its version, dtype, weight, bias)
-        version = _version(self.weight)
-        if (cache is None or version is None or cache[1:3] != (version, dtype)
-                or cache[0].data_ptr() != self.weight.data_ptr()):
-            source = self.weight.detach()  # held, so no other tensor can take its address
+        weight = self.weight
+        version = _version(weight)
+        cache = self.__dict__.get("_packed")  # (version, dtype, weight it was packed from, packed weight, bias)
+        if cache is None or version is None or cache[0] != version or cache[1] != dtype \
+                or cache[2].data_ptr() != weight.data_ptr():
+            source = weight.detach()  # held, so no other tensor can take its address
             bias = None if self.bias is None else self.bias.detach().to(dtype)
-            cache = (source, version, dtype, torch.ops.mkldnn._reorder_linear_weight(source.to(dtype), rows), bias)
+            cache = (version, dtype, source, torch.ops.mkldnn._reorder_linear_weight(source.to(dtype), rows), bias)
             self._packed = cache
         return cache[3], cache[4]
+
+
+def _packed_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype to multiply ``x`` in with a packed weight, or None to use F.linear."""
+    if torch.is_autocast_enabled("cpu"):  # autocast would cast the weight again at every call
+        return torch.bfloat16 if torch.get_autocast_dtype("cpu") == torch.bfloat16 else None
+    return torch.float32 if x.dtype == torch.float32 else None
 
 
 def _version(weight: Tensor) -> int | None:
