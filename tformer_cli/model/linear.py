@@ -5,9 +5,9 @@ hands such products to MKL with the weight as stored, and with few rows they are
 the weight, not by arithmetic. Packed once into oneDNN's blocked layout (what ``torch.compile``'s
 freezing pass does for inference), the same products ran 1.3-2x faster for 64 rows and 3-4x faster
 for 4-16 rows on a 2-core AVX-512 CPU, the vocabulary projection most; under bf16 autocast, which
-casts the weight at every call, 2-4x. Training, fp16 and other devices keep ``F.linear``. The packed
-copy lives on the module, outside the state dict, and is rebuilt when the weight changes (an
-optimizer step, loading or averaging checkpoints). Products of more than MAX_ROWS rows keep F.linear.
+casts the weight at every call, 2-4x. Training, fp16, other devices, many rows and small weights
+keep ``F.linear`` (see the constants below). The packed copy lives on the module, outside the state
+dict, and is rebuilt when the weight changes (an optimizer step, loading or averaging checkpoints).
 """
 
 from __future__ import annotations
