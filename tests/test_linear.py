@@ -79,3 +79,9 @@ def test_many_rows_and_small_weights_keep_f_linear(monkeypatch):
         monkeypatch.setattr(linear, "MIN_WEIGHT", 16 * 8 + 1)
         layer(torch.randn(4, 16))
         assert not hasattr(layer, "_packed")
+
+
+@pytest.mark.parametrize("n, padded", [(1, 8), (8, 8), (61, 64), (130, 144), (500, 512), (1000, 1024)])
+def test_rows_are_padded_to_few_sizes_with_little_waste(n, padded):
+    assert linear._padded_rows(n) == padded
+    assert padded - n < max(8, n / 8)

@@ -18,12 +18,12 @@ from torch import Tensor, nn
 
 # torch's own (underscored) ops behind torch.compile's CPU weight packing; where absent, F.linear
 PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# oneDNN builds a kernel for every new row count (~0.8 ms, then cached), so rows are padded to a
-# multiple of ROW_MULTIPLE. Packing pays where reading the weight dominates: few rows (more than
-# MAX_ROWS, an encoder batch, gained ~10 %) and weights of MIN_WEIGHT elements or more (below, the
-# call overhead ate the gain).
+# oneDNN builds a kernel for every new row count (~0.8 ms, then cached), so rows are padded (see
+# _padded_rows). Packing pays where reading the weight dominates: up to MAX_ROWS rows (beam search
+# over a batch of sentences; an encoder batch of thousands gained only ~10 %) and weights of
+# MIN_WEIGHT elements or more (below, oneDNN's ~12 us call overhead ate the gain).
 ROW_MULTIPLE = 8
-MAX_ROWS = 256
+MAX_ROWS = 1024
 MIN_WEIGHT = 2**17
 
 
@@ -39,8 +39,9 @@ class Linear(nn.Linear):
         if dtype is None or n == 0 or n > MAX_ROWS or self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(n, self.in_features).to(dtype)
-        if n % ROW_MULTIPLE:
-            rows = torch.cat([rows, rows.new_zeros(ROW_MULTIPLE - n % ROW_MULTIPLE, self.in_features)])
+        padded = _padded_rows(n)
+        if padded != n:
+            rows = torch.cat([rows, rows.new_zeros(padded - n, self.in_features)])
         weight, bias = self._packed_weight(dtype, rows.shape[0])
         out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")[:n]
         return out.view(*x.shape[:-1], self.out_features)
@@ -57,6 +58,13 @@ class Linear(nn.Linear):
             cache = (version, dtype, source, torch.ops.mkldnn._reorder_linear_weight(source.to(dtype), rows), bias)
             self._packed = cache
         return cache[3], cache[4]
+
+
+def _padded_rows(n: int) -> int:
+    """n rounded up to one of 8 sizes per power of two (multiples of ROW_MULTIPLE at least): few distinct
+    row counts, so few kernels to build, for at most 12.5 % of padding."""
+    step = max(ROW_MULTIPLE, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
 
 
 def _packed_dtype(x: Tensor) -> torch.dtype | None:
