@@ -85,3 +85,15 @@ def test_many_rows_and_small_weights_keep_f_linear(monkeypatch):
 def test_rows_are_padded_to_few_sizes_with_little_waste(n, padded):
     assert linear._padded_rows(n) == padded
     assert padded - n < max(8, n / 8)
+
+
+@needs_packing
+def test_train_mode_drops_the_packed_copy():
+    layer = Linear(16, 8)
+    with torch.no_grad():
+        layer(torch.randn(4, 16))
+    assert "_packed" in layer.__dict__
+    layer.eval()
+    assert "_packed" in layer.__dict__  # kept for the next decoding call
+    layer.train()
+    assert "_packed" not in layer.__dict__

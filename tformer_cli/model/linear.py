@@ -7,7 +7,8 @@ freezing pass does for inference), the same products ran 1.3-2x faster for 64 ro
 for 4-16 rows on a 2-core AVX-512 CPU, the vocabulary projection most; under bf16 autocast, which
 casts the weight at every call, 2-4x. Training, fp16, other devices, many rows and small weights
 keep ``F.linear`` (see the constants below). The packed copy lives on the module, outside the state
-dict, and is rebuilt when the weight changes (an optimizer step, loading or averaging checkpoints).
+dict, is rebuilt when the weight changes (an optimizer step, loading or averaging checkpoints) and is
+dropped by ``.train()``, so training does not hold it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class Linear(nn.Linear):
         weight, bias = self._packed_weight(dtype, rows.shape[0])
         out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")[:n]
         return out.view(*x.shape[:-1], self.out_features)
+
+    def train(self, mode: bool = True) -> "Linear":
+        if mode:  # training will change the weight: drop the packed copy instead of holding it stale
+            self.__dict__.pop("_packed", None)
+        return super().train(mode)
 
     def _packed_weight(self, dtype: torch.dtype, rows: int) -> tuple[Tensor, Tensor | None]:
         """The packed weight and the bias in ``dtype``, packed again whenever the weight has changed."""
