@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from conftest import tiny_model_config
-from tformer_cli.decoding import DecodeOptions, beam_search, decode_batch, greedy_or_sample, translate
+from tformer_cli.decoding import DecodeOptions, argmax, beam_search, decode_batch, greedy_or_sample, translate
 from tformer_cli.model import build_model
 from tformer_cli.tokenizer import BOS_ID, EOS_ID, Vocabulary
 
@@ -135,3 +135,15 @@ def test_reordering_within_beams_equals_a_full_select(model):
         a = model.decode(step, encoded, full).hidden
         b = model.decode(step, encoded, partial).hidden
     torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("vocab", [8000, 37000, 24, 100, 7])
+def test_blocked_argmax_equals_torch_argmax_with_ties(vocab):
+    torch.manual_seed(0)
+    x = torch.randint(0, 5, (64, vocab)).float()  # many ties: the first maximum must win
+    x[3] = 0.0
+    x[5, -1] = 9.0  # the maximum in the last column
+    x[6, 0] = 9.0  # and in the first
+    assert torch.equal(argmax(x), x.argmax(-1))
+    y = torch.randn(16, vocab)
+    assert torch.equal(argmax(y), y.argmax(-1))

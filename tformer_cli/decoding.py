@@ -82,7 +82,7 @@ def greedy_or_sample(model: torch.nn.Module, src: Tensor, options: DecodeOptions
         if options.sample and options.temperature > 0:
             token = _sample(log_probs, options, generator)  # (b,)
         else:
-            token = log_probs.argmax(dim=-1)
+            token = argmax(log_probs)
         out[alive, t] = token
         scores[alive] += log_probs.gather(1, token[:, None]).squeeze(1)
         done = (token == EOS_ID) | (t + 1 >= limits[alive])
@@ -96,6 +96,20 @@ def greedy_or_sample(model: torch.nn.Module, src: Tensor, options: DecodeOptions
         last = token[:, None]
     out, lengths, scores = out.tolist(), lengths.tolist(), scores.tolist()
     return [Hypothesis(row[:n], s, s) for row, n, s in zip(out, lengths, scores)]
+
+
+def argmax(x: Tensor) -> Tensor:
+    """``x.argmax(-1)`` for a (b, V) tensor: the first index of each row's maximum. On a CPU torch's
+    argmax walks a row one element at a time (390 us for 64 x 8,000 floats on 2 cores) while ``amax``
+    is vectorised (26 us), so this takes the maximum of each block of up to 64 columns, the first block
+    holding the row's maximum, and the argmax inside that block only (60 us)."""
+    b, V = x.shape
+    block = min(64, V & -V)  # the largest power of two <= 64 dividing V
+    if x.device.type != "cpu" or block < 8:
+        return x.argmax(dim=-1)
+    blocks = x.view(b, V // block, block)
+    first = blocks.amax(dim=-1).argmax(dim=-1)  # (b,)
+    return first * block + blocks[torch.arange(b, device=x.device), first].argmax(dim=-1)
 
 
 def _generator(options: DecodeOptions, device: torch.device) -> torch.Generator | None:
