@@ -107,7 +107,7 @@ def argmax(x: Tensor) -> Tensor:
     block = min(64, V & -V)  # the largest power of two <= 64 dividing V
     if x.device.type != "cpu" or block < 8:
         return x.argmax(dim=-1)
-    blocks = x.view(b, V // block, block)
+    blocks = x.reshape(b, V // block, block)
     first = blocks.amax(dim=-1).argmax(dim=-1)  # (b,)
     return first * block + blocks[torch.arange(b, device=x.device), first].argmax(dim=-1)
 
