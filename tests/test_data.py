@@ -4,7 +4,8 @@ import json
 import pytest
 
 from tformer_cli.config import DataConfig
-from tformer_cli.data import collate, encode_split, load_encoded, load_pairs, token_batches
+from tformer_cli.data import (collate, data_fingerprint, encode_split, load_encoded, load_pairs, resegment,
+                              token_batches)
 from tformer_cli.errors import DataError
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
@@ -82,6 +83,17 @@ def test_encoded_splits_are_cached(tmp_path):
     assert cached.src == first.src and cached is not first
     _jsonl(tmp_path / "train.jsonl", ROWS[:4])  # changed data invalidates the cache
     assert len(load_encoded(cfg, "train", vocab)) == 4
+
+
+def test_resegment_draws_a_new_segmentation_of_the_same_pairs_and_keeps_the_cache_key():
+    pairs = [(r["de"] + " Gartenhaus", r["en"] + " greenhouse") for r in ROWS]
+    vocab = Vocabulary.train(pairs, vocab_size=80, min_frequency=1)
+    cfg = DataConfig(bpe_dropout=0.5)
+    plain = encode_split(pairs, vocab, cfg)
+    noisy = resegment(plain, vocab, cfg)
+    assert noisy.pairs == plain.pairs and noisy.src != plain.src
+    assert sum(map(len, noisy.tgt)) > sum(map(len, plain.tgt))
+    assert data_fingerprint(cfg, "train") == data_fingerprint(DataConfig(), "train")  # same vocabulary and cache
 
 
 def test_token_batches_respect_max_tokens_and_cover_every_example_once():

@@ -42,3 +42,17 @@ def test_save_and_load_joint_and_separate(tmp_path):
 def test_lowercase_option():
     vocab = Vocabulary.train([(t, t) for t in TEXTS], vocab_size=200, min_frequency=1, lowercase=True)
     assert vocab.decode_targets(vocab.encode_targets(["Drei Füchse"])) == ["drei füchse"]
+
+
+def test_bpe_dropout_segments_afresh_each_time_and_decodes_to_the_same_text():
+    vocab = Vocabulary.train([(t, t) for t in TEXTS], vocab_size=300, min_frequency=1)
+    plain = vocab.encode_targets(TEXTS[:4])
+    noisy = vocab.with_dropout(0.5)
+    samples = [noisy.encode_targets(TEXTS[:4]) for _ in range(5)]
+    assert noisy.joint and noisy.src_size == vocab.src_size
+    assert any(sample != plain for sample in samples) and any(a != b for a, b in zip(samples, samples[1:]))
+    for sample in samples:
+        assert noisy.decode_targets(sample) == TEXTS[:4]
+        assert all(len(s) >= len(p) for s, p in zip(sample, plain))  # skipped merges only split tokens
+    assert vocab.encode_targets(TEXTS[:4]) == plain  # the original stays deterministic
+    assert vocab.with_dropout(0.0).encode_targets(TEXTS[:4]) == plain

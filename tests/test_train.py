@@ -173,3 +173,21 @@ def test_bf16_autocast_trains_on_cpu_and_warns_where_it_would_be_slow(tmp_path, 
     assert losses and all(math.isfinite(loss) for loss in losses)
     warnings = [data["message"] for event, data in events if event == "warning"]
     assert (warnings == []) if native else ("set train.precision=fp32" in warnings[0])
+
+
+def test_bpe_dropout_resegments_the_training_split_every_epoch(tmp_path, monkeypatch):
+    import tformer_cli.train as training
+    from tformer_cli.data import resegment
+
+    drawn = []
+
+    def recording(*args):
+        drawn.append(resegment(*args))
+        return drawn[-1]
+
+    monkeypatch.setattr(training, "resegment", recording)
+    path = write_config(tmp_path / "b.yaml", train={"max_steps": None, "epochs": 2},
+                        data={"bpe_dropout": 0.3, "max_samples": 60})
+    result = train(load_config(path), tmp_path / "run")
+    assert result.state.epoch == 2 and len(drawn) == 2
+    assert drawn[0].pairs == drawn[1].pairs and drawn[0].tgt != drawn[1].tgt

@@ -67,6 +67,9 @@ class DataConfig:
     joint_vocab: bool = True
     min_frequency: int = 2
     lowercase: bool = False
+    # BPE-dropout (Provilkov et al. 2020): while training, each merge is skipped with this probability and the
+    # training split is segmented afresh every epoch; validation, test and decoding keep the plain segmentation.
+    bpe_dropout: float = 0.0
 
 
 @dataclass
@@ -336,6 +339,7 @@ def validate(config: Config) -> list[str]:
     need(d.max_length >= 3, "data.max_length", f"must be >= 3 (BOS, a token, EOS), got {d.max_length}")
     need(d.max_length <= m.max_len, "data.max_length",
          f"{d.max_length} exceeds model.max_len {m.max_len}; lower it or raise model.max_len")
+    need(0.0 <= d.bpe_dropout < 1.0, "data.bpe_dropout", f"must be in [0, 1), got {d.bpe_dropout}")
     need(d.vocab_size >= 16, "data.vocab_size", f"must be >= 16, got {d.vocab_size}")
     need(d.joint_vocab or m.share_embeddings != "all", "model.share_embeddings",
          "'all' needs data.joint_vocab: true; use 'decoder' with separate vocabularies")

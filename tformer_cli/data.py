@@ -21,6 +21,7 @@ from tformer_cli.config import DataConfig
 from tformer_cli.errors import DataError
 from tformer_cli.tokenizer import PAD_ID, RECIPE, Vocabulary
 
+TRAINING_ONLY = {"bpe_dropout"}  # data settings that change neither the vocabulary nor the cached encodings
 FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
@@ -149,7 +150,8 @@ class EncodedSplit:
 
 def data_fingerprint(cfg: DataConfig, split: str, *extra: Any) -> str:
     """A key that changes when the data, its selection or its processing changes."""
-    spec: dict[str, Any] = {"split": split, "extra": extra, "cfg": {k: v for k, v in vars(cfg).items()}}
+    settings = {k: v for k, v in vars(cfg).items() if k not in TRAINING_ONLY}
+    spec: dict[str, Any] = {"split": split, "extra": extra, "cfg": settings}
     files = cfg.data_files.get(split, []) if cfg.data_files else []
     files = [files] if isinstance(files, str) else files
     paths = [Path(p) for p in files] + ([Path(cfg.dataset)] if not cfg.data_files and cfg.dataset else [])
@@ -181,6 +183,11 @@ def encode_split(pairs: list[tuple[str, str]], vocab: Vocabulary, cfg: DataConfi
         out.tgt.append(t)
         out.pairs.append(pair)
     return out
+
+
+def resegment(split: EncodedSplit, vocab: Vocabulary, cfg: DataConfig) -> EncodedSplit:
+    """The split's pairs segmented afresh with BPE-dropout ``cfg.bpe_dropout`` (one epoch's worth)."""
+    return encode_split(split.pairs, vocab.with_dropout(cfg.bpe_dropout), cfg)
 
 
 def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary) -> EncodedSplit:

@@ -85,6 +85,13 @@ class Vocabulary:
         raise CheckpointError(f"{folder}: no {JOINT_FILE} (or {SOURCE_FILE} + {TARGET_FILE}); "
                               "is this a run folder written by `tformer train`?")
 
+    def with_dropout(self, p: float) -> "Vocabulary":
+        """A copy that skips each BPE merge with probability ``p`` (BPE-dropout), for training only."""
+        noisy = {id(t): Tokenizer.from_str(t.to_str()) for t in (self.source, self.target)}
+        for tokenizer in noisy.values():
+            tokenizer.model.dropout = p
+        return Vocabulary(noisy[id(self.source)], noisy[id(self.target)])
+
     def fingerprint(self) -> str:
         import hashlib
 

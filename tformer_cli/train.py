@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tformer_cli.config import Config, TrainConfig
-from tformer_cli.data import EncodedSplit, collate, load_encoded, token_batches, train_or_load_vocabulary
+from tformer_cli.data import EncodedSplit, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary
 from tformer_cli.errors import CheckpointError, DataError, UsageError
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
@@ -167,8 +167,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     if slow:
         notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    src_lengths, tgt_lengths = [len(s) for s in data.src], [len(t) for t in data.tgt]
-    steps_per_epoch = math.ceil(len(token_batches(src_lengths, tgt_lengths, cfg.max_tokens)) / cfg.grad_accum)
+    steps_per_epoch = math.ceil(len(_batches(data, cfg.max_tokens)) / cfg.grad_accum)
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, total_steps))
     stop_reason, last_eval = None, None
@@ -178,8 +177,9 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt) if rank == 0 else None
     try:
         while stop_reason is None:
-            batches = token_batches(src_lengths, tgt_lengths, cfg.max_tokens, cfg.seed, state.epoch,
-                                    rank=rank, world_size=world_size)
+            if config.data.bpe_dropout:  # a fresh segmentation of the training split every epoch
+                data = resegment(setup.train_data, setup.vocab, config.data)
+            batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, rank=rank, world_size=world_size)
             while state.batch_in_epoch < len(batches) and stop_reason is None:
                 # batch: grad_accum consecutive batches make one optimizer step
                 group = [collate(data, ids) for ids in batches[state.batch_in_epoch:state.batch_in_epoch + cfg.grad_accum]]
@@ -227,6 +227,10 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
             signal.signal(signal.SIGTERM, previous_sigterm)
     notify("end", {"state": asdict(state), "stop_reason": stop_reason, "last_eval": last_eval})
     return TrainResult(run_dir, state, stop_reason, last_eval)
+
+
+def _batches(data: EncodedSplit, max_tokens: int, *args: Any, **kwargs: Any) -> list[list[int]]:
+    return token_batches([len(s) for s in data.src], [len(t) for t in data.tgt], max_tokens, *args, **kwargs)
 
 
 def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
