@@ -229,8 +229,10 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     return TrainResult(run_dir, state, stop_reason, last_eval)
 
 
-def _batches(data: EncodedSplit, max_tokens: int, *args: Any, **kwargs: Any) -> list[list[int]]:
-    return token_batches([len(s) for s in data.src], [len(t) for t in data.tgt], max_tokens, *args, **kwargs)
+def _batches(data: EncodedSplit, max_tokens: int, seed: int = 0, epoch: int = 0, rank: int = 0,
+             world_size: int = 1) -> list[list[int]]:
+    lengths = [len(s) for s in data.src], [len(t) for t in data.tgt]
+    return token_batches(*lengths, max_tokens, seed, epoch, rank=rank, world_size=world_size)
 
 
 def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
