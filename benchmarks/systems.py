@@ -145,11 +145,15 @@ class _BuiltinModel(nn.Module):
         return self.dropout(self.embedding(tokens) * self.scale + self.pe[: tokens.shape[1]])
 
     def forward(self, src, tgt_in):
-        T = tgt_in.shape[1]
-        causal = nn.Transformer.generate_square_subsequent_mask(T, device=src.device)
-        hidden = self.transformer(self.embed(src), self.embed(tgt_in), tgt_mask=causal, tgt_is_causal=True,
-                                  src_key_padding_mask=src == PAD, memory_key_padding_mask=src == PAD)
-        return self.out(hidden)
+        return self.out(self.decode(self.encode(src), src == PAD, tgt_in))
+
+    def encode(self, src):
+        return self.transformer.encoder(self.embed(src), src_key_padding_mask=src == PAD)
+
+    def decode(self, memory, src_pad, tgt_in):
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.shape[1], device=tgt_in.device)
+        return self.transformer.decoder(self.embed(tgt_in), memory, tgt_mask=causal, tgt_is_causal=True,
+                                        memory_key_padding_mask=src_pad)
 
 
 class TorchBuiltin(System):
@@ -166,11 +170,12 @@ class TorchBuiltin(System):
 
     @torch.inference_mode()
     def greedy(self, src, new_tokens):
-        """No cache: the whole prefix is run through the decoder again at every step."""
+        """No cache: the source is encoded once, the whole prefix runs through the decoder at every step."""
         self.model.eval()
+        memory, src_pad = self.model.encode(src), src == PAD
         ys = torch.full((src.shape[0], 1), BOS, dtype=torch.long, device=src.device)
         for _ in range(new_tokens):
-            logits = self.model(src, ys)[:, -1]
+            logits = self.model.out(self.model.decode(memory, src_pad, ys)[:, -1])
             logits[:, EOS] = float("-inf")
             ys = torch.cat([ys, logits.argmax(-1, keepdim=True)], dim=1)
         return ys
