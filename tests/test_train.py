@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_model_config, write_config
 from tformer_cli.config import TrainConfig, load_config
-from tformer_cli.data import Batch
+from tformer_cli.data import Batch, token_batches
 from tformer_cli.errors import UsageError
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.model import build_model
@@ -188,6 +188,12 @@ def test_bpe_dropout_resegments_the_training_split_every_epoch(tmp_path, monkeyp
     monkeypatch.setattr(training, "resegment", recording)
     path = write_config(tmp_path / "b.yaml", train={"max_steps": None, "epochs": 2},
                         data={"bpe_dropout": 0.3, "max_samples": 60})
-    result = train(load_config(path), tmp_path / "run")
+    events = []
+    result = train(load_config(path), tmp_path / "run", callback=lambda e, d: events.append((e, d)))
     assert result.state.epoch == 2 and len(drawn) == 2
     assert drawn[0].pairs == drawn[1].pairs and drawn[0].tgt != drawn[1].tgt
+    start = next(d for e, d in events if e == "start")  # epoch length from the segmentation trained on
+    assert start["steps_per_epoch"] == len(token_batches([len(s) for s in drawn[0].src],
+                                                         [len(t) for t in drawn[0].tgt], 600))
+    with pytest.raises(UsageError, match="data.bpe_dropout needs a single process"):
+        train(load_config(path), tmp_path / "ddp", rank=0, world_size=2)

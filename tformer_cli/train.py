@@ -157,10 +157,13 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     """Train ``config`` into ``run_dir`` (or continue the run there when ``resume``)."""
     notify: Callback = callback if callback and rank == 0 else (lambda event, data: None)
     cfg = config.train
+    if world_size > 1 and config.data.bpe_dropout:
+        raise UsageError("data.bpe_dropout needs a single process: each process would draw its own "
+                         "segmentation and their batches would differ; set data.bpe_dropout=0")
     device = resolve_device(cfg.device)
     tune_allocator()
     setup = _Setup(config, run_dir, resume, device, notify)
-    model, optimizer, state, data = setup.model, setup.optimizer, setup.state, setup.train_data
+    model, optimizer, state, data = setup.model, setup.optimizer, setup.state, _epoch_split(setup)
     loss_fn = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
     amp = autocast(device, cfg.precision)
     slow = slow_precision(device, cfg.precision)
@@ -177,8 +180,6 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt) if rank == 0 else None
     try:
         while stop_reason is None:
-            if config.data.bpe_dropout:  # a fresh segmentation of the training split every epoch
-                data = resegment(setup.train_data, setup.vocab, config.data)
             batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, rank=rank, world_size=world_size)
             while state.batch_in_epoch < len(batches) and stop_reason is None:
                 # batch: grad_accum consecutive batches make one optimizer step
@@ -218,6 +219,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 state.epoch += 1
                 state.batch_in_epoch = 0
                 stop_reason = stop_reason or _stop_reason(cfg, state)
+                if stop_reason is None:
+                    data = _epoch_split(setup)  # the next epoch's segmentation
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         optimizer.zero_grad(set_to_none=True)
@@ -227,6 +230,12 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
             signal.signal(signal.SIGTERM, previous_sigterm)
     notify("end", {"state": asdict(state), "stop_reason": stop_reason, "last_eval": last_eval})
     return TrainResult(run_dir, state, stop_reason, last_eval)
+
+
+def _epoch_split(setup: _Setup) -> EncodedSplit:
+    """The training split for one epoch: segmented afresh with BPE-dropout when data.bpe_dropout is set."""
+    data = setup.config.data
+    return resegment(setup.train_data, setup.vocab, data) if data.bpe_dropout else setup.train_data
 
 
 def _batches(data: EncodedSplit, max_tokens: int, seed: int = 0, epoch: int = 0, rank: int = 0,
