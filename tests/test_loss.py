@@ -33,3 +33,42 @@ def test_without_gradients_only_the_loss_is_computed():
         loss, nll = linear_smoothed_cross_entropy(hidden, weight, target, 0.0)
     torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.T, target, reduction="sum"))
     torch.testing.assert_close(nll, loss)
+
+
+def _rdrop_reference(logits: torch.Tensor, target: torch.Tensor, smoothing: float, alpha: float) -> torch.Tensor:
+    """R-Drop as its authors write it: the passes' mean cross-entropy plus alpha times the mean of both KLs."""
+    first, second = logits.chunk(2)
+    ce = sum(F.cross_entropy(x, target, label_smoothing=smoothing, reduction="sum") for x in (first, second)) / 2
+    log_p, log_q = F.log_softmax(first, dim=-1), F.log_softmax(second, dim=-1)
+    kl = (F.kl_div(log_p, log_q, log_target=True, reduction="sum")
+          + F.kl_div(log_q, log_p, log_target=True, reduction="sum")) / 2
+    return ce + alpha * kl
+
+
+@pytest.mark.parametrize("smoothing, alpha", [(0.0, 1.0), (0.2, 5.0)])
+@pytest.mark.parametrize("chunk", [6, 1024])
+def test_rdrop_loss_and_gradients_equal_autograd_reference(smoothing, alpha, chunk, monkeypatch):
+    monkeypatch.setattr(loss_module, "CHUNK_TOKENS", chunk)  # 6: 3 rows of each pass a chunk, a partial last one
+    hidden = torch.randn(2 * 11, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 50, (11,))
+    loss, nll = linear_smoothed_cross_entropy(hidden, weight, target, smoothing, rdrop=alpha)
+    (loss * 0.7).backward()
+    ours = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    logits = hidden @ weight.T
+    expected = _rdrop_reference(logits, target, smoothing, alpha)
+    (expected * 0.7).backward()
+    torch.testing.assert_close(loss, expected)
+    mean_nll = sum(F.cross_entropy(x, target, reduction="sum") for x in logits.detach().chunk(2)) / 2
+    torch.testing.assert_close(nll, mean_nll)
+    torch.testing.assert_close(ours[0], hidden.grad)
+    torch.testing.assert_close(ours[1], weight.grad)
+
+
+def test_rdrop_of_identical_passes_is_the_plain_loss():
+    hidden, weight = torch.randn(9, 8), torch.randn(30, 8)
+    target = torch.randint(0, 30, (9,))
+    plain = linear_smoothed_cross_entropy(hidden, weight, target, 0.1)
+    doubled = linear_smoothed_cross_entropy(torch.cat([hidden, hidden]), weight, target, 0.1, rdrop=3.0)
+    torch.testing.assert_close(doubled, plain)

@@ -46,6 +46,27 @@ def test_label_smoothed_loss_equals_torch_cross_entropy():
     torch.testing.assert_close(nll, expected_nll, rtol=1e-5, atol=1e-4)
 
 
+def test_rdrop_loss_runs_the_batch_twice_under_different_dropout_masks():
+    model = build_model(tiny_model_config(dropout=0.3), 40).train()
+    src, tgt = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 6))
+    tgt[1, 4:] = 0
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
+    torch.manual_seed(1)
+    loss, nll = label_smoothed_loss(model, batch, 0.1, rdrop=2.0)
+    torch.manual_seed(1)  # the same masks: one forward over the batch stacked on itself
+    logits = model(torch.cat([src, src]), torch.cat([tgt[:, :-1], tgt[:, :-1]]))
+    real = tgt[:, 1:] != 0
+    first, second = logits[:3][real], logits[3:][real]
+    assert not torch.allclose(first, second)  # the passes differ only by their dropout masks
+    log_p, log_q = F.log_softmax(first, dim=-1), F.log_softmax(second, dim=-1)
+    kl = (F.kl_div(log_p, log_q, log_target=True, reduction="sum")
+          + F.kl_div(log_q, log_p, log_target=True, reduction="sum")) / 2
+    ce = sum(F.cross_entropy(x, tgt[:, 1:][real], label_smoothing=0.1, reduction="sum") for x in (first, second))
+    torch.testing.assert_close(loss, ce / 2 + 2.0 * kl, rtol=1e-5, atol=1e-4)
+    nll_mean = sum(F.cross_entropy(x, tgt[:, 1:][real], reduction="sum") for x in (first, second)) / 2
+    torch.testing.assert_close(nll, nll_mean, rtol=1e-5, atol=1e-4)
+
+
 def test_a_tiny_model_overfits_one_batch():
     model = build_model(tiny_model_config(dropout=0.0), 30)
     src = torch.randint(4, 30, (4, 7))

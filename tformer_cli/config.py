@@ -94,6 +94,7 @@ class TrainConfig:
     warmup_steps: int = 4000
     min_lr: float = 0.0
     label_smoothing: float = 0.1
+    rdrop: float = 0.0  # R-Drop weight alpha: each batch runs twice, their output KL divergence is penalised
     clip_grad_norm: Optional[float] = 1.0
     max_steps: Optional[int] = 100000
     epochs: Optional[int] = None
@@ -352,6 +353,7 @@ def validate(config: Config) -> list[str]:
     need(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     need(t.schedule != "noam" or t.warmup_steps > 0, "train.warmup_steps", "the noam schedule needs warmup_steps > 0")
     need(0.0 <= t.label_smoothing < 1.0, "train.label_smoothing", f"must be in [0, 1), got {t.label_smoothing}")
+    need(t.rdrop >= 0, "train.rdrop", f"must be >= 0 (0 turns R-Drop off), got {t.rdrop}")
     need(t.clip_grad_norm is None or t.clip_grad_norm > 0, "train.clip_grad_norm",
          f"must be > 0 or null, got {t.clip_grad_norm}")
     need(t.max_tokens >= d.max_length, "train.max_tokens",

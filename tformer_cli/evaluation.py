@@ -17,18 +17,24 @@ from tformer_cli.loss import linear_smoothed_cross_entropy
 from tformer_cli.tokenizer import PAD_ID
 
 
-def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float) -> tuple[Tensor, Tensor]:
+def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float,
+                        rdrop: float = 0.0) -> tuple[Tensor, Tensor]:
     """Sum over real target tokens of (1 - eps) * NLL + eps * mean_v(-log p_v), and the plain NLL sum.
 
     The output projection runs only at non-pad positions, fused with the loss (see ``loss.py``).
+    With ``rdrop`` (R-Drop, Liang et al. 2021) the batch runs twice in one forward, under different
+    dropout masks: the loss is the passes' mean plus rdrop times their symmetric KL divergence.
 
     Returns:
         (smoothed loss sum to back-propagate, NLL sum, detached).
     """
-    encoded = model.encode(batch.src)
-    hidden = model.decode(batch.tgt_in, encoded).hidden  # (B, T, d_model)
+    src, tgt_in = batch.src, batch.tgt_in
     real = batch.tgt_out != PAD_ID  # (B, T)
-    return linear_smoothed_cross_entropy(hidden[real], model.output_proj.weight, batch.tgt_out[real], smoothing)
+    if rdrop:
+        src, tgt_in = torch.cat([src, src]), torch.cat([tgt_in, tgt_in])
+    hidden = model.decode(tgt_in, model.encode(src)).hidden  # (B, T, d_model), or (2B, T, d_model)
+    rows = hidden[torch.cat([real, real])] if rdrop else hidden[real]  # the first pass's tokens, then the second's
+    return linear_smoothed_cross_entropy(rows, model.output_proj.weight, batch.tgt_out[real], smoothing, rdrop)
 
 
 @dataclass

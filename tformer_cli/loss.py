@@ -9,6 +9,14 @@ respect to the logits has a closed form,
 so each chunk's gradients for the hidden states and the projection matrix are computed right away
 and the logits are dropped. Backward then only scales the stored gradients: no (N, V) tensor
 outlives its chunk, and no log-softmax, gather or mean has to be differentiated.
+
+With R-Drop (Liang et al. 2021) the hidden states come from two passes of the same batch under
+different dropout masks, and the loss adds alpha times their symmetric KL divergence,
+
+    1/2 (CE_1 + CE_2) + alpha * 1/2 (KL(p_1 || p_2) + KL(p_2 || p_1)),
+
+whose logit gradient is closed-form too: with d = log p_1 - log p_2, the KL term's gradient for the
+first pass is 1/2 (p_1 * (d - sum_v p_1 d) + p_1 - p_2), and symmetrically for the second.
 """
 
 from __future__ import annotations
@@ -22,8 +30,10 @@ GPU_CHUNK_TOKENS = 8192  # on a GPU, fewer and larger matrix products keep it bu
 
 class _LinearSmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, smoothing: float):  # noqa: ANN001
-        """hidden (N, d), weight (V, d), target (N,) -> (loss sum, NLL sum)."""
+    def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, smoothing: float,  # noqa: ANN001
+                rdrop: float):
+        """hidden (N, d), or (2N, d) with rdrop (two passes of the same N tokens, one after the other);
+        weight (V, d), target (N,) -> (loss sum, NLL sum) over the N tokens."""
         compute = _compute_dtype(hidden)  # bf16/fp16 under autocast: in-place and out= products are not cast
         w = weight.to(compute)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -31,13 +41,24 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=accumulate) if ctx.needs_input_grad[1] else None
         loss = hidden.new_zeros((), dtype=accumulate)
         nll_total = hidden.new_zeros((), dtype=accumulate)
+        n = target.shape[0]
         chunk = CHUNK_TOKENS if hidden.device.type == "cpu" else GPU_CHUNK_TOKENS
-        for start in range(0, hidden.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            chunk_loss, chunk_nll = _chunk(hidden[rows].to(compute), w, target[rows, None], smoothing, accumulate,
-                                           None if grad_hidden is None else grad_hidden[rows], grad_weight)
+        chunk = chunk // 2 if rdrop else chunk  # both passes' rows of a chunk are projected together
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            rows = [slice(start, stop), slice(n + start, n + stop)] if rdrop else [slice(start, stop)]
+            h = (hidden[rows[0]] if len(rows) == 1 else torch.cat([hidden[r] for r in rows])).to(compute)
+            logits = (h @ w.T).to(accumulate)  # (rows, V)
+            t = target[rows[0], None]
+            want_grad = grad_hidden is not None or grad_weight is not None
+            if rdrop:
+                chunk_loss, chunk_nll, grad = _rdrop_logit_grad(logits, t, smoothing, rdrop, want_grad)
+            else:
+                chunk_loss, chunk_nll, grad = _smoothed_logit_grad(logits, t, smoothing, want_grad)
             loss += chunk_loss
             nll_total += chunk_nll
+            if grad is not None:
+                _backpropagate(grad.to(compute), h, w, rows, grad_hidden, grad_weight)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(nll_total)
@@ -50,16 +71,13 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
-def _chunk(h: Tensor, w: Tensor, t: Tensor, smoothing: float, accumulate: torch.dtype,
-           grad_hidden: Tensor | None, grad_weight: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Loss and NLL sums of one chunk: h (n, d), w (V, d), t (n, 1). Writes the chunk's hidden-state
-    gradient into grad_hidden (n, d) and adds its weight gradient to grad_weight (V, d), where given.
-    Its (n, V) tensors are freed on return, before the next chunk's are made."""
-    V = w.shape[0]
-    logits = (h @ w.T).to(accumulate)  # (n, V)
+def _smoothed_logit_grad(logits: Tensor, t: Tensor, smoothing: float,
+                         want_grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Loss sum, NLL sum and d loss / d logits of one chunk: logits (n, V), consumed; t (n, 1)."""
+    V = logits.shape[1]
     target_logit, mean_logit = logits.gather(1, t), logits.mean(dim=-1, keepdim=True)  # (n, 1) each
     peak = logits.amax(dim=-1, keepdim=True)  # (n, 1)
     exp = logits.sub_(peak).exp_()  # in place: logsumexp would hold a second (n, V) tensor
@@ -67,20 +85,53 @@ def _chunk(h: Tensor, w: Tensor, t: Tensor, smoothing: float, accumulate: torch.
     lse = total.log() + peak
     nll = lse - target_logit
     loss = ((1 - smoothing) * nll + smoothing * (lse - mean_logit)).sum()
-    if grad_hidden is None and grad_weight is None:
-        return loss, nll.sum()
+    if not want_grad:
+        return loss, nll.sum(), None
     grad = exp.div_(total)  # softmax, in place: (n, V)
     grad.sub_(smoothing / V)
     grad.scatter_add_(1, t, grad.new_full(t.shape, smoothing - 1.0))
-    grad = grad.to(h.dtype)
+    return loss, nll.sum(), grad
+
+
+def _rdrop_logit_grad(logits: Tensor, t: Tensor, smoothing: float, alpha: float,
+                      want_grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The same for R-Drop: logits (2n, V), the first pass's n rows then the second's; t (n, 1).
+    The loss and NLL are the passes' mean, plus alpha times their symmetric KL divergence."""
+    n, V = t.shape[0], logits.shape[1]
+    t2 = torch.cat([t, t])
+    log_p = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))  # (2n, V), in place
+    nll = -log_p.gather(1, t2)
+    ce = (1 - smoothing) * nll - smoothing * log_p.mean(dim=-1, keepdim=True)
+    p = log_p.exp()
+    d = log_p[:n] - log_p[n:]  # (n, V)
+    p_diff = p[:n] - p[n:]
+    loss = 0.5 * ce.sum() + alpha * 0.5 * (p_diff * d).sum()
+    if not want_grad:
+        return loss, 0.5 * nll.sum(), None
+    grad = p.sub(smoothing / V).scatter_add_(1, t2, p.new_full(t2.shape, smoothing - 1.0)).mul_(0.5)
+    for half, sign in ((slice(0, n), 1.0), (slice(n, 2 * n), -1.0)):
+        p_half = p[half]
+        kl_grad = p_half * (d - (p_half * d).sum(dim=-1, keepdim=True)) + p_diff  # 2 d KL / d logits, up to sign
+        grad[half].add_(kl_grad, alpha=sign * 0.5 * alpha)
+    return loss, 0.5 * nll.sum(), grad
+
+
+def _backpropagate(grad: Tensor, h: Tensor, w: Tensor, rows: list[slice], grad_hidden: Tensor | None,
+                   grad_weight: Tensor | None) -> None:
+    """From a chunk's logit gradient grad (m, V): write the hidden-state gradient of its rows (h (m, d)
+    stacks them in order) into grad_hidden, and add the weight gradient to grad_weight (V, d)."""
     if grad_hidden is not None:
-        grad_hidden.copy_(grad @ w)
+        grad_h = grad @ w
+        offset = 0
+        for r in rows:
+            size = grad_hidden[r].shape[0]
+            grad_hidden[r] = grad_h[offset:offset + size]
+            offset += size
     if grad_weight is not None:
-        if grad.dtype == accumulate:
+        if grad.dtype == grad_weight.dtype:
             grad_weight.addmm_(grad.T, h)
         else:
-            grad_weight += (grad.T @ h).to(accumulate)
-    return loss, nll.sum()
+            grad_weight += (grad.T @ h).to(grad_weight.dtype)
 
 
 def _compute_dtype(hidden: Tensor) -> torch.dtype:
@@ -90,16 +141,19 @@ def _compute_dtype(hidden: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def linear_smoothed_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
-                                  smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
+def linear_smoothed_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, smoothing: float = 0.0,
+                                  rdrop: float = 0.0) -> tuple[Tensor, Tensor]:
     """Sum over tokens of (1 - eps) * NLL + eps * mean_v(-log p_v) for logits = hidden @ weight^T.
 
     Args:
-        hidden: (N, d_model) decoder states at real target positions.
+        hidden: (N, d_model) decoder states at real target positions; with ``rdrop``, (2N, d_model):
+            two dropout passes over the same N tokens, the first pass's rows then the second's.
         weight: (V, d_model) output projection.
         target: (N,) token ids.
+        rdrop: R-Drop weight alpha; the loss becomes the two passes' mean plus alpha times their
+            symmetric KL divergence (module docstring).
 
     Returns:
-        (loss sum, differentiable; NLL sum, not differentiable).
+        (loss sum, differentiable; NLL sum, not differentiable; with rdrop both over N tokens).
     """
-    return _LinearSmoothedCrossEntropy.apply(hidden, weight, target, smoothing)
+    return _LinearSmoothedCrossEntropy.apply(hidden, weight, target, smoothing, rdrop)

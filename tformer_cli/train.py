@@ -188,7 +188,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
                 for batch in group:
                     with amp:  # forward + loss
-                        loss, nll = loss_fn(model, batch.to(device), cfg.label_smoothing)
+                        loss, nll = loss_fn(model, batch.to(device), cfg.label_smoothing, cfg.rdrop)
                     scaler.scale(loss / group_tokens).backward()  # backward
                     nll_sum += nll
                 scaler.unscale_(optimizer)
