@@ -142,9 +142,9 @@ def step_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in folder.glob("step-*") if (p / WEIGHTS).is_file() and (p / TRAINER).is_file())
 
 
-def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
+def load_trainer_state(checkpoint: Path | str) -> dict[str, Any]:
     try:
-        return torch.load(checkpoint / TRAINER, map_location="cpu", weights_only=False)
+        return torch.load(Path(checkpoint) / TRAINER, map_location="cpu", weights_only=False)
     except Exception as exc:
         raise CheckpointError(f"{checkpoint}: unreadable trainer state ({exc}); resume from an earlier "
                               "checkpoint by deleting this one") from exc
