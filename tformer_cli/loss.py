@@ -111,8 +111,8 @@ def _rdrop_logit_grad(logits: Tensor, t: Tensor, smoothing: float, alpha: float,
     grad = p.sub(smoothing / V).scatter_add_(1, t2, p.new_full(t2.shape, smoothing - 1.0)).mul_(0.5)
     for half, sign in ((slice(0, n), 1.0), (slice(n, 2 * n), -1.0)):
         p_half = p[half]
-        kl_grad = p_half * (d - (p_half * d).sum(dim=-1, keepdim=True)) + p_diff  # 2 d KL / d logits, up to sign
-        grad[half].add_(kl_grad, alpha=sign * 0.5 * alpha)
+        kl_grad = p_half * (d - (p_half * d).sum(dim=-1, keepdim=True)) + p_diff  # (n, V)
+        grad[half].add_(kl_grad, alpha=sign * 0.5 * alpha)  # sign * kl_grad = d (KL_12 + KL_21) / d this pass's logits
     return loss, 0.5 * nll.sum(), grad
 
 
@@ -121,12 +121,8 @@ def _backpropagate(grad: Tensor, h: Tensor, w: Tensor, rows: list[slice], grad_h
     """From a chunk's logit gradient grad (m, V): write the hidden-state gradient of its rows (h (m, d)
     stacks them in order) into grad_hidden, and add the weight gradient to grad_weight (V, d)."""
     if grad_hidden is not None:
-        grad_h = grad @ w
-        offset = 0
-        for r in rows:
-            size = grad_hidden[r].shape[0]
-            grad_hidden[r] = grad_h[offset:offset + size]
-            offset += size
+        for r, part in zip(rows, (grad @ w).split([r.stop - r.start for r in rows])):
+            grad_hidden[r] = part
     if grad_weight is not None:
         if grad.dtype == grad_weight.dtype:
             grad_weight.addmm_(grad.T, h)
