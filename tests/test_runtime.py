@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -47,9 +49,11 @@ def test_average_and_plot_commands_on_a_run(tmp_path):
     run = tmp_path / "run"
     train(load_config(config), run)
     runner = CliRunner()
-    result = runner.invoke(app, ["average", str(run), "--last", "2"])
+    result = runner.invoke(app, ["average", str(run), "--last", "2", "--json"])
     assert result.exit_code == 0, result.output
     averaged = run / "checkpoints" / "average-last-2"
+    assert json.loads(result.stdout) == {"checkpoint": str(averaged),
+                                         "averaged": [p.name for p in step_checkpoints(run)[-2:]]}
     mean = load_file(str(averaged / "model.safetensors"))
     a, b = (load_file(str(p / "model.safetensors")) for p in step_checkpoints(run)[-2:])
     assert mean.keys() == a.keys()

@@ -273,6 +273,7 @@ def average(
     best: Annotated[Optional[int], typer.Option(help="Average the N checkpoints with the best validation metric.")] = None,
     metric: Annotated[str, typer.Option(help="loss | bleu, for --best.")] = "loss",
     output: Annotated[Optional[Path], typer.Option(help="Folder (default RUN/checkpoints/average-last-N).")] = None,
+    json_output: JsonOpt = False,
 ) -> None:
     """Average checkpoint weights into a new checkpoint that eval and generate accept.
 
@@ -280,7 +281,7 @@ def average(
       tformer average runs/multi30k --last 5
       tformer eval runs/multi30k/checkpoints/average-last-5 --beam 5
     """
-    from tformer_cli.render import console
+    from tformer_cli.render import console, print_json
     from tformer_cli.runtime import average_checkpoints, choose_checkpoints
 
     if metric not in ("loss", "bleu"):
@@ -288,7 +289,10 @@ def average(
     chosen = choose_checkpoints(run, last, best, metric)
     name = f"average-last-{last}" if last is not None else f"average-best-{best}-{metric}"
     path = average_checkpoints(chosen, output or Path(run) / "checkpoints" / name)
-    console.print(f"averaged {', '.join(c.name for c in chosen)} -> {path}", highlight=False)
+    if json_output:
+        print_json({"checkpoint": str(path.parent), "averaged": [c.name for c in chosen]})
+    else:
+        console.print(f"averaged {', '.join(c.name for c in chosen)} -> {path}", highlight=False)
 
 
 @app.command()
