@@ -44,13 +44,13 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         n = target.shape[0]
         chunk = CHUNK_TOKENS if hidden.device.type == "cpu" else GPU_CHUNK_TOKENS
         chunk = chunk // 2 if rdrop else chunk  # both passes' rows of a chunk are projected together
+        want_grad = grad_hidden is not None or grad_weight is not None
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             rows = [slice(start, stop), slice(n + start, n + stop)] if rdrop else [slice(start, stop)]
             h = (hidden[rows[0]] if len(rows) == 1 else torch.cat([hidden[r] for r in rows])).to(compute)
             logits = (h @ w.T).to(accumulate)  # (rows, V)
             t = target[rows[0], None]
-            want_grad = grad_hidden is not None or grad_weight is not None
             if rdrop:
                 chunk_loss, chunk_nll, grad = _rdrop_logit_grad(logits, t, smoothing, rdrop, want_grad)
             else:
