@@ -56,6 +56,9 @@ def test_all_mistakes_are_reported_together(tmp_path):
     assert f"{bad}: train.lr: must be > 0, got -1.0" in lines
     assert f"{bad}: data.bpe_dropout: must be in [0, 1), got 1.0" in lines
     assert f"{bad}: train.rdrop: must be >= 0 (0 turns R-Drop off), got -0.5" in lines
+    bad.write_text("model:\n  dropout: 0\ntrain:\n  rdrop: 1\n")
+    with pytest.raises(ConfigError, match="train.rdrop: needs dropout"):
+        load_config(bad)
 
 
 def test_extends_merges_sections_and_round_trips(tmp_path):
