@@ -11,7 +11,7 @@ from tformer_cli.errors import UsageError
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.runtime import find_weights, load_run, load_weights, step_checkpoints
-from tformer_cli.train import learning_rate, prepare_run, train
+from tformer_cli.train import TrainState, cosine_horizon, learning_rate, prepare_run, train
 
 
 def test_noam_schedule_matches_the_paper():
@@ -29,6 +29,28 @@ def test_other_schedules_warm_up_to_the_peak_and_decay():
     assert math.isclose(learning_rate(400, inv, 1), 5e-4)
     cos = TrainConfig(schedule="cosine", lr=1e-3, warmup_steps=10, max_steps=110, min_lr=1e-5)
     assert math.isclose(learning_rate(10, cos, 1), 1e-3) and math.isclose(learning_rate(110, cos, 1), 1e-5)
+
+
+def test_cosine_ends_at_the_first_of_max_steps_epochs_and_max_time():
+    cfg = TrainConfig(schedule="cosine", lr=1e-3, warmup_steps=10, max_steps=1000, max_time=100.0, min_lr=0.0)
+    # 60 steps in the first 50 s: at this pace max_time runs out at step 120, before max_steps
+    assert cosine_horizon(cfg, 1000, TrainState(step=60, elapsed=50.0)) == 120
+    assert math.isclose(learning_rate(65, cfg, 1, 120), 1e-3 * 0.5 * (1 + math.cos(math.pi * 55 / 110)))
+    assert learning_rate(120, cfg, 1, cosine_horizon(cfg, 1000, TrainState(step=120, elapsed=100.0))) == 0.0
+    assert cosine_horizon(cfg, 80, TrainState(step=60, elapsed=50.0)) == 80  # epochs end first
+    untimed = TrainConfig(schedule="cosine", max_steps=1000)
+    assert cosine_horizon(untimed, 1000, TrainState(step=60, elapsed=50.0)) == 1000
+
+
+def test_cosine_bounded_by_epochs_reaches_min_lr_on_the_last_step(tmp_path):
+    path = write_config(tmp_path / "c.yaml", data={"max_samples": 300},
+                        train={"schedule": "cosine", "lr": 1e-3, "min_lr": 1e-5, "warmup_steps": 2, "epochs": 1,
+                               "max_steps": None, "log_every": 1, "eval_every": 1000, "eval_bleu": False})
+    events = []
+    train(load_config(path), tmp_path / "run", callback=lambda e, d: events.append((e, d)))
+    lrs = [d["lr"] for e, d in events if e == "step"]
+    assert len(lrs) > 4 and lrs[1] == 1e-3 and math.isclose(lrs[-1], 1e-5)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
 
 
 def test_label_smoothed_loss_equals_torch_cross_entropy():

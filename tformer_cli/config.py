@@ -368,8 +368,6 @@ def validate(config: Config) -> list[str]:
         need(value is None or value > 0, f"train.{key}", f"must be > 0 or null, got {value}")
     need(t.max_steps is not None or t.epochs is not None or t.max_time is not None, "train.max_steps",
          "set at least one of train.max_steps, train.epochs or train.max_time so training can stop")
-    need(t.schedule != "cosine" or t.max_steps is not None, "train.schedule",
-         "cosine decays to train.max_steps; set train.max_steps")
 
     need(dec.beam_size >= 1, "decode.beam_size", f"must be >= 1, got {dec.beam_size}")
     need(dec.batch_size >= 1, "decode.batch_size", f"must be >= 1, got {dec.batch_size}")

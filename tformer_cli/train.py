@@ -55,12 +55,12 @@ class TrainResult:
     last_eval: dict[str, Any] | None
 
 
-def learning_rate(step: int, cfg: TrainConfig, d_model: int) -> float:
+def learning_rate(step: int, cfg: TrainConfig, d_model: int, horizon: float | None = None) -> float:
     """The learning rate for optimizer step ``step`` (1-based).
 
     noam: lr * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)  (§5.3; lr is a scale factor)
     inverse_sqrt: linear warmup to lr, then lr * sqrt(warmup / step)
-    cosine: linear warmup to lr, then cosine decay to min_lr at max_steps
+    cosine: linear warmup to lr, then cosine decay to min_lr at step ``horizon`` (default max_steps)
     constant: linear warmup to lr, then lr
     """
     step = max(step, 1)
@@ -72,7 +72,8 @@ def learning_rate(step: int, cfg: TrainConfig, d_model: int) -> float:
     if cfg.schedule == "inverse_sqrt":
         return cfg.lr * math.sqrt(max(warmup, 1) / step)
     if cfg.schedule == "cosine":
-        progress = min(1.0, (step - warmup) / max(1, cfg.max_steps - warmup))
+        end = horizon if horizon is not None else cfg.max_steps
+        progress = min(1.0, (step - warmup) / max(1, end - warmup))
         return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
     return cfg.lr
 
@@ -194,7 +195,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 scaler.unscale_(optimizer)
                 if cfg.clip_grad_norm:  # clip
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-                lr = learning_rate(state.step + 1, cfg, config.model.d_model)  # schedule
+                horizon = cosine_horizon(cfg, total_steps, state) if cfg.schedule == "cosine" else None
+                lr = learning_rate(state.step + 1, cfg, config.model.d_model, horizon)  # schedule
                 for param_group in optimizer.param_groups:
                     param_group["lr"] = lr
                 scaler.step(optimizer)  # step
@@ -263,6 +265,15 @@ def _total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
     if cfg.epochs:
         limits.append(cfg.epochs * steps_per_epoch)
     return min(limits) if limits else None
+
+
+def cosine_horizon(cfg: TrainConfig, total_steps: int | None, state: TrainState) -> float | None:
+    """The step where a cosine schedule reaches min_lr: the step limit (max_steps or epochs), or sooner the
+    step at which max_time runs out at the pace so far, so that a run bounded by time also decays fully."""
+    ends = [float(total_steps)] if total_steps else []
+    if cfg.max_time and state.elapsed > 0:
+        ends.append(max(state.step, 1) * cfg.max_time / state.elapsed)
+    return min(ends) if ends else None
 
 
 def _stop_reason(cfg: TrainConfig, state: TrainState) -> str | None:
