@@ -38,6 +38,9 @@ def test_cosine_ends_at_the_first_of_max_steps_epochs_and_max_time():
     assert math.isclose(learning_rate(65, cfg, 1, 120), 1e-3 * 0.5 * (1 + math.cos(math.pi * 55 / 110)))
     assert learning_rate(120, cfg, 1, cosine_horizon(cfg, 1000, TrainState(step=120, elapsed=100.0))) == 0.0
     assert cosine_horizon(cfg, 80, TrainState(step=60, elapsed=50.0)) == 80  # epochs end first
+    timed_only = TrainConfig(schedule="cosine", lr=1e-3, warmup_steps=0, max_steps=None, max_time=100.0)
+    assert cosine_horizon(timed_only, None, TrainState()) is None  # no pace yet: the peak
+    assert learning_rate(1, timed_only, 1, None) == 1e-3
     untimed = TrainConfig(schedule="cosine", max_steps=1000)
     assert cosine_horizon(untimed, 1000, TrainState(step=60, elapsed=50.0)) == 1000
 

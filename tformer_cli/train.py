@@ -73,6 +73,8 @@ def learning_rate(step: int, cfg: TrainConfig, d_model: int, horizon: float | No
         return cfg.lr * math.sqrt(max(warmup, 1) / step)
     if cfg.schedule == "cosine":
         end = horizon if horizon is not None else cfg.max_steps
+        if end is None:  # bounded by time alone, before its pace is known
+            return cfg.lr
         progress = min(1.0, (step - warmup) / max(1, end - warmup))
         return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
     return cfg.lr
