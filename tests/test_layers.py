@@ -28,6 +28,21 @@ def test_embedding_is_scaled_by_sqrt_d_model_and_adds_positions():
     torch.testing.assert_close(layer(tokens, position=2), expected)
 
 
+def test_word_dropout_zeroes_whole_embeddings_while_training_and_keeps_positions():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 8)
+    layer = TokenEmbedding(emb, "sinusoidal", max_len=50, dropout=0.0, word_dropout=0.25)
+    tokens = torch.randint(1, 10, (64, 40))
+    table = sinusoidal_table(50, 8)[:40]
+    words = layer(tokens) - table  # (B, T, d_model): the embeddings alone, each dropped or scaled
+    full = emb(tokens) * math.sqrt(8)
+    dropped = words.abs().amax(-1) < 1e-6  # (B, T)
+    torch.testing.assert_close(words[~dropped], full[~dropped] / 0.75)
+    assert abs(dropped.float().mean().item() - 0.25) < 0.03  # 2,560 draws: ~3.5 standard deviations
+    layer.eval()
+    torch.testing.assert_close(layer(tokens), full + table)
+
+
 def test_ffn_is_two_linear_maps_around_relu():
     ffn = PositionwiseFeedForward(8, 32)
     x = torch.randn(2, 3, 8)

@@ -34,6 +34,9 @@ class ModelConfig:
     d_ff: Optional[int] = None
     dropout: float = 0.1
     attention_dropout: float = 0.0
+    # Whole-word dropout (Marian's --dropout-src/--dropout-trg; Sennrich & Zhang 2019): while training, each
+    # source and target input token's embedding is zeroed with this probability, before the positions are added.
+    word_dropout: float = 0.0
     activation: Literal["relu", "gelu"] = "relu"
     norm: Literal["post", "pre"] = "post"
     positional: Literal["sinusoidal", "learned", "rope", "alibi"] = "sinusoidal"
@@ -330,7 +333,7 @@ def validate(config: Config) -> list[str]:
         if m.positional == "rope" and m.d_model % m.num_heads == 0:
             need((m.d_model // m.num_heads) % 2 == 0, "model.positional",
                  f"rope needs an even head size, got d_model/num_heads = {m.d_model // m.num_heads}")
-    for key in ("dropout", "attention_dropout"):
+    for key in ("dropout", "attention_dropout", "word_dropout"):
         need(0.0 <= getattr(m, key) < 1.0, f"model.{key}", f"must be in [0, 1), got {getattr(m, key)}")
     need(m.layer_norm_eps > 0, "model.layer_norm_eps", f"must be > 0, got {m.layer_norm_eps}")
 
@@ -354,7 +357,7 @@ def validate(config: Config) -> list[str]:
     need(t.schedule != "noam" or t.warmup_steps > 0, "train.warmup_steps", "the noam schedule needs warmup_steps > 0")
     need(0.0 <= t.label_smoothing < 1.0, "train.label_smoothing", f"must be in [0, 1), got {t.label_smoothing}")
     need(t.rdrop >= 0, "train.rdrop", f"must be >= 0 (0 turns R-Drop off), got {t.rdrop}")
-    need(not t.rdrop or m.dropout > 0 or m.attention_dropout > 0, "train.rdrop",
+    need(not t.rdrop or m.dropout > 0 or m.attention_dropout > 0 or m.word_dropout > 0, "train.rdrop",
          "needs dropout (with model.dropout and attention_dropout 0 both passes are the same); "
          "set model.dropout > 0 or train.rdrop=0")
     need(t.clip_grad_norm is None or t.clip_grad_norm > 0, "train.clip_grad_norm",

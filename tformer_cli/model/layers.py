@@ -43,11 +43,13 @@ def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
 class TokenEmbedding(nn.Module):
     """Embeddings scaled by sqrt(d_model) (§3.4), plus the positional encoding, then dropout.
 
-    ``positional`` is "sinusoidal" (the paper), "learned", or "rope"/"alibi", which add nothing here
+    ``word_dropout`` zeroes whole token embeddings while training (scaling the rest by 1 / (1 - p)), so the
+    model must translate with words missing; the positional encoding is kept. ``positional`` is "sinusoidal" (the paper), "learned", or "rope"/"alibi", which add nothing here
     (they act inside attention).
     """
 
-    def __init__(self, embedding: nn.Embedding, positional: str, max_len: int, dropout: float) -> None:
+    def __init__(self, embedding: nn.Embedding, positional: str, max_len: int, dropout: float,
+                 word_dropout: float = 0.0) -> None:
         super().__init__()
         self.embedding = embedding  # may be shared with the other side and the output projection
         self.scale = math.sqrt(embedding.embedding_dim)
@@ -59,13 +61,18 @@ class TokenEmbedding(nn.Module):
         else:
             self.table = None
         self.dropout = Dropout(dropout)
+        self.word_dropout = word_dropout
 
     def forward(self, tokens: Tensor, position: int = 0) -> Tensor:
         """(B, T) token ids starting at ``position`` -> (B, T, d_model)."""
         T = tokens.shape[1]
         if position + T > self.max_len:
             raise ValueError(f"sequence of {position + T} tokens exceeds model.max_len {self.max_len}")
-        x = self.embedding(tokens) * self.scale  # (B, T, d_model)
+        scale = self.scale
+        if self.training and self.word_dropout > 0:
+            keep = torch.rand(tokens.shape, device=tokens.device) >= self.word_dropout  # (B, T)
+            scale = keep.unsqueeze(-1) * (self.scale / (1.0 - self.word_dropout))  # (B, T, 1)
+        x = self.embedding(tokens) * scale  # (B, T, d_model)
         if self.table is not None:
             x = x + self.table[position:position + T]
         elif self.learned is not None:

@@ -176,9 +176,9 @@ def build_model(config: ModelConfig, src_vocab_size: int, tgt_vocab_size: int | 
     def final_norm() -> nn.Module:
         return nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if norm_first else nn.Identity()
 
-    encoder = Encoder(TokenEmbedding(src_emb, c.positional, c.max_len, c.dropout),
+    encoder = Encoder(TokenEmbedding(src_emb, c.positional, c.max_len, c.dropout, c.word_dropout),
                       [EncoderLayer(**layer_args) for _ in range(c.num_encoder_layers)], final_norm())
-    decoder = Decoder(TokenEmbedding(tgt_emb, c.positional, c.max_len, c.dropout),
+    decoder = Decoder(TokenEmbedding(tgt_emb, c.positional, c.max_len, c.dropout, c.word_dropout),
                       [DecoderLayer(**layer_args) for _ in range(c.num_decoder_layers)], final_norm())
     rotary = RotaryEmbedding(c.d_model // c.num_heads, c.max_len) if c.positional == "rope" else None
     slopes = alibi_slopes(c.num_heads) if c.positional == "alibi" else None
