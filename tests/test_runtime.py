@@ -20,9 +20,9 @@ def test_averaging_two_checkpoints_gives_the_element_wise_mean(tmp_path):
     models = [build_model(tiny_model_config(), 30) for _ in range(2)]
     for step, model in enumerate(models, start=1):
         save_checkpoint(tmp_path, step, model, {"state": {}}, keep_last=5)
-    path = average_checkpoints(step_checkpoints(tmp_path), tmp_path / "avg")
+    folder = average_checkpoints(step_checkpoints(tmp_path), tmp_path / "avg")
     averaged = build_model(tiny_model_config(), 30)
-    load_weights(averaged, path)
+    load_weights(averaged, folder / "model.safetensors")
     for (name, a), b, c in zip(averaged.state_dict().items(), models[0].state_dict().values(),
                                models[1].state_dict().values()):
         torch.testing.assert_close(a, (b + c) / 2, msg=name)

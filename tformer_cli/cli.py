@@ -288,11 +288,11 @@ def average(
         raise UsageError(f"--metric {metric}: expected loss or bleu")
     chosen = choose_checkpoints(run, last, best, metric)
     name = f"average-last-{last}" if last is not None else f"average-best-{best}-{metric}"
-    path = average_checkpoints(chosen, output or Path(run) / "checkpoints" / name)
+    folder = average_checkpoints(chosen, output or Path(run) / "checkpoints" / name)
     if json_output:
-        print_json({"checkpoint": str(path.parent), "averaged": [c.name for c in chosen]})
+        print_json({"checkpoint": str(folder), "averaged": [c.name for c in chosen]})
     else:
-        console.print(f"averaged {', '.join(c.name for c in chosen)} -> {path}", highlight=False)
+        console.print(f"averaged {', '.join(c.name for c in chosen)} -> {folder}", highlight=False)
 
 
 @app.command()

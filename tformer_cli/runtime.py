@@ -252,7 +252,8 @@ def choose_checkpoints(run_dir: Path, last: int | None = None, best: int | None 
 
 
 def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
-    """Element-wise mean of the checkpoints' weights (as the paper and fairseq do), saved atomically."""
+    """Element-wise mean of the checkpoints' weights (as the paper and fairseq do), saved atomically
+    in the folder ``output``, which is returned: eval and generate take it as a checkpoint."""
     from safetensors.torch import load_file, save_file
 
     total: dict[str, torch.Tensor] = {}
@@ -264,7 +265,7 @@ def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
     tmp = output / f".{WEIGHTS}.tmp"
     save_file(average, str(tmp), metadata={"averaged": ",".join(c.name for c in checkpoints)})
     os.replace(tmp, output / WEIGHTS)
-    return output / WEIGHTS
+    return output
 
 
 def tune_allocator() -> bool:
