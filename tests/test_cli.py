@@ -99,3 +99,15 @@ def test_missing_run_folder_is_a_one_line_error(tmp_path):
         result = runner.invoke(app, command)
         assert result.exit_code == 1, command
         assert result.output.count("\n") == 1 and result.output.startswith("error: "), result.output
+
+
+def test_out_of_range_decoding_flags_are_one_line_errors_naming_the_flag(run_dir):
+    for flags, message in ((["--beam", "0"], "--beam 0: must be >= 1"),
+                           (["--max-len", "0"], "--max-len 0: must be >= 1"),
+                           (["--sample", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+                           (["--sample", "--temperature", "-1"], "--temperature -1.0: must be >= 0")):
+        result = runner.invoke(app, ["generate", str(run_dir), "seven", *flags])
+        assert result.exit_code == 1, flags
+        assert result.output == f"error: {message}\n"
+    result = runner.invoke(app, ["eval", str(run_dir), "--beam", "-2"])
+    assert result.exit_code == 1 and result.output == "error: --beam -2: must be >= 1\n"

@@ -142,6 +142,7 @@ def eval_command(
     from tformer_cli.render import eval_table, print_json
     from tformer_cli.runtime import load_run, resolve_device
 
+    _check_decoding_flags(beam=beam, batch_size=batch_size, max_samples=max_samples)
     dev = resolve_device(device or "auto")
     amp = _decoding_autocast(dev, precision)  # checked before the model is loaded
     loaded = load_run(run, dev)
@@ -159,6 +160,18 @@ def eval_command(
         output.write_text("".join(h + "\n" for h in hypotheses))
     result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam=options.beam_size, precision=precision)
     print_json(result) if json_output else eval_table(result)
+
+
+def _check_decoding_flags(**flags) -> None:
+    """One-line errors for out-of-range decoding flags, before any model is loaded (None: not given)."""
+    rules = {"beam": (lambda v: v >= 1, ">= 1"), "nbest": (lambda v: v >= 1, ">= 1"),
+             "batch_size": (lambda v: v >= 1, ">= 1"), "max_len": (lambda v: v >= 1, ">= 1"),
+             "max_samples": (lambda v: v >= 1, ">= 1"), "temperature": (lambda v: v >= 0, ">= 0"),
+             "top_k": (lambda v: v >= 0, ">= 0 (0: no limit)"), "top_p": (lambda v: 0 < v <= 1, "in (0, 1]")}
+    for name, value in flags.items():
+        ok, expected = rules[name]
+        if value is not None and not ok(value):
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be {expected}")
 
 
 def _decoding_autocast(device, precision: str):
@@ -204,12 +217,12 @@ def generate(
     from tformer_cli.render import generation_lines, warn
     from tformer_cli.runtime import load_run, resolve_device
 
-    if nbest < 1:  # checked before the model is loaded
-        raise UsageError(f"--nbest {nbest}: must be >= 1")
+    _check_decoding_flags(beam=beam, nbest=nbest, batch_size=batch_size, max_len=max_len, temperature=temperature,
+                          top_k=top_k, top_p=top_p)
     dev = resolve_device(device or "auto")
     amp = _decoding_autocast(dev, precision)
     loaded = load_run(run, dev)
-    limits = {"max_len_a": 0.0, "max_len_b": max_len} if max_len else {}
+    limits = {"max_len_a": 0.0, "max_len_b": max_len} if max_len is not None else {}
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam, sample=sample,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, nbest=nbest,
                                         length_penalty=length_penalty, **limits)
