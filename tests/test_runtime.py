@@ -66,5 +66,9 @@ def test_average_and_plot_commands_on_a_run(tmp_path):
     assert len(best) == 1
     with pytest.raises(UsageError):
         choose_checkpoints(run)
+    kept = len(step_checkpoints(run))
+    too_many = runner.invoke(app, ["average", str(run), "--last", str(kept + 1)])
+    assert too_many.exit_code == 1 and too_many.output.startswith(f"error: --last {kept + 1}: ")
+    assert f"keeps only {kept} step checkpoints" in too_many.output.replace("\n", " ")
     plotted = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.png")])
     assert plotted.exit_code == 0 and (tmp_path / "curves.png").stat().st_size > 1000

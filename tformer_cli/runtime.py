@@ -242,13 +242,21 @@ def choose_checkpoints(run_dir: Path, last: int | None = None, best: int | None 
     if count < 1:
         raise UsageError(f"--{'last' if last is not None else 'best'} {count}: must be >= 1")
     if last is not None:
+        _need_checkpoints(run_dir, f"--last {count}", count, len(checkpoints), "step checkpoints")
         return checkpoints[-count:]
     scores = {r["step"]: r[metric] for r in read_metrics(run_dir) if r.get("split") == "validation" and metric in r}
     scored = [c for c in checkpoints if int(c.name.split("-")[1]) in scores]
     if not scored:
         raise CheckpointError(f"{run_dir}: no validation {metric} recorded for the kept checkpoints; use --last N")
+    _need_checkpoints(run_dir, f"--best {count}", count, len(scored), f"step checkpoints with a validation {metric}")
     sign = -1 if metric == "bleu" else 1
     return sorted(scored, key=lambda c: sign * scores[int(c.name.split("-")[1])])[:count]
+
+
+def _need_checkpoints(run_dir: Path, flag: str, count: int, found: int, what: str) -> None:
+    if found < count:
+        raise UsageError(f"{flag}: {run_dir} keeps only {found} {what}; ask for at most {found}, "
+                         f"or keep more with train.keep_last")
 
 
 def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
