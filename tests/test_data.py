@@ -62,6 +62,8 @@ def test_bad_data_configs_give_clear_errors(tmp_path):
         load_pairs(DataConfig(data_files={"train": str(empty)}), "train")
     with pytest.raises(DataError, match="from the Hugging Face hub .*offline\\? point at local files"):
         load_pairs(DataConfig(dataset="nobody/no-such-dataset-here"), "train")
+    with pytest.raises(DataError, match="data.dataset: no such folder '.*missing-folder'; check the path"):
+        load_pairs(DataConfig(dataset=str(tmp_path / "missing-folder")), "train")
 
 
 def test_encode_split_drops_empty_and_drops_or_truncates_long_pairs():

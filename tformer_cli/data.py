@@ -102,6 +102,9 @@ def _load_named(name: str, split: str):
 
     datasets.disable_progress_bars()
     local = Path(name).exists()
+    if not local and name.startswith(("/", "./", "../", "~")):  # a path, not a hub id (owner/name)
+        raise DataError(f"data.dataset: no such folder '{name}'; check the path (relative paths start "
+                        "from the current directory)")
     try:
         dataset = datasets.load_dataset(name)
     except Exception as exc:
