@@ -358,7 +358,7 @@ def validate(config: Config) -> list[str]:
     need(0.0 <= t.label_smoothing < 1.0, "train.label_smoothing", f"must be in [0, 1), got {t.label_smoothing}")
     need(t.rdrop >= 0, "train.rdrop", f"must be >= 0 (0 turns R-Drop off), got {t.rdrop}")
     need(not t.rdrop or m.dropout > 0 or m.attention_dropout > 0 or m.word_dropout > 0, "train.rdrop",
-         "needs dropout (with model.dropout and attention_dropout 0 both passes are the same); "
+         "needs dropout (with model.dropout, attention_dropout and word_dropout 0 both passes are the same); "
          "set model.dropout > 0 or train.rdrop=0")
     need(t.clip_grad_norm is None or t.clip_grad_norm > 0, "train.clip_grad_norm",
          f"must be > 0 or null, got {t.clip_grad_norm}")

@@ -43,9 +43,9 @@ def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
 class TokenEmbedding(nn.Module):
     """Embeddings scaled by sqrt(d_model) (§3.4), plus the positional encoding, then dropout.
 
-    ``word_dropout`` zeroes whole token embeddings while training (scaling the rest by 1 / (1 - p)), so the
-    model must translate with words missing; the positional encoding is kept. ``positional`` is "sinusoidal" (the paper), "learned", or "rope"/"alibi", which add nothing here
-    (they act inside attention).
+    ``positional`` is "sinusoidal" (the paper), "learned", or "rope"/"alibi", which add nothing here
+    (they act inside attention). ``word_dropout`` zeroes whole token embeddings while training (scaling
+    the rest by 1 / (1 - p)), so the model learns to translate with words missing; positions are kept.
     """
 
     def __init__(self, embedding: nn.Embedding, positional: str, max_len: int, dropout: float,
