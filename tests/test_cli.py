@@ -111,3 +111,12 @@ def test_out_of_range_decoding_flags_are_one_line_errors_naming_the_flag(run_dir
         assert result.output == f"error: {message}\n"
     result = runner.invoke(app, ["eval", str(run_dir), "--beam", "-2"])
     assert result.exit_code == 1 and result.output == "error: --beam -2: must be >= 1\n"
+
+
+def test_eval_output_makes_its_folder_and_an_unwritable_path_is_a_one_line_error(run_dir, tmp_path):
+    hyps = tmp_path / "new" / "folder" / "hyps.txt"
+    result = runner.invoke(app, ["eval", str(run_dir), "--max-samples", "3", "--beam", "1", "--output", str(hyps)])
+    assert result.exit_code == 0, result.output
+    assert len(hyps.read_text().splitlines()) == 3
+    result = runner.invoke(app, ["eval", str(run_dir), "--max-samples", "3", "--output", str(tmp_path)])
+    assert result.exit_code == 1 and result.output == f"error: {tmp_path}: Is a directory\n"

@@ -30,6 +30,13 @@ class _ErrorBoundary(TyperGroup):
 
             error_lines(str(exc))
             raise typer.Exit(1) from None
+        except OSError as exc:  # a file the user named cannot be read or written: no traceback for that
+            if exc.filename is None or ctx.params.get("debug"):
+                raise
+            from tformer_cli.render import error_lines
+
+            error_lines(f"{exc.filename}: {exc.strerror}")
+            raise typer.Exit(1) from None
         except KeyboardInterrupt:
             from tformer_cli.render import error_lines
 
@@ -143,6 +150,9 @@ def eval_command(
     from tformer_cli.runtime import load_run, resolve_device
 
     _check_decoding_flags(beam=beam, batch_size=batch_size, max_samples=max_samples)
+    if output:  # fail now, not after the evaluation
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.touch()
     dev = resolve_device(device or "auto")
     amp = _decoding_autocast(dev, precision)  # checked before the model is loaded
     loaded = load_run(run, dev)
