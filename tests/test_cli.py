@@ -1,6 +1,8 @@
 import json
+import shutil
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from tformer_cli.cli import app
@@ -120,3 +122,25 @@ def test_eval_output_makes_its_folder_and_an_unwritable_path_is_a_one_line_error
     assert len(hyps.read_text().splitlines()) == 3
     result = runner.invoke(app, ["eval", str(run_dir), "--max-samples", "3", "--output", str(tmp_path)])
     assert result.exit_code == 1 and result.output == f"error: {tmp_path}: Is a directory\n"
+
+
+def test_resume_refuses_to_change_the_model_or_vocabulary_and_leaves_the_run_as_it_was(run_dir):
+    before = (run_dir / "config.yaml").read_text()
+    for override in ("model.d_model=8", "model.num_encoder_layers=5", "data.vocab_size=999"):
+        result = runner.invoke(app, ["train", "--resume", str(run_dir), "--set", override])
+        assert result.exit_code == 1, override
+        assert result.output.startswith(f"error: --set {override}: a resumed run keeps its ")
+        assert result.output.count("\n") == 1
+    assert (run_dir / "config.yaml").read_text() == before
+
+
+def test_weights_that_do_not_fit_the_config_are_a_one_line_error(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    config = yaml.safe_load((copy / "config.yaml").read_text())
+    config["model"]["d_model"] *= 2
+    config["model"]["d_ff"] *= 2
+    (copy / "config.yaml").write_text(yaml.safe_dump(config))
+    result = runner.invoke(app, ["generate", str(copy), "seven"])
+    assert result.exit_code == 1 and result.output.count("\n") == 1
+    assert "weights do not fit the model in config.yaml" in result.output and "differ in shape" in result.output

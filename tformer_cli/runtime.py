@@ -107,7 +107,12 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     try:
         missing, unexpected = load_model(_unwrap(model), str(path), strict=False)
     except Exception as exc:
-        raise CheckpointError(f"{path}: unreadable weights ({exc}); pick another checkpoint") from exc
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        mismatched = [line for line in lines if line.startswith("size mismatch")]
+        if mismatched:  # torch lists every tensor; the first says enough
+            raise CheckpointError(f"{path}: weights do not fit the model in config.yaml ({len(mismatched)} tensors "
+                                  f"differ in shape; the first: {mismatched[0]})") from exc
+        raise CheckpointError(f"{path}: unreadable weights ({lines[0]}); pick another checkpoint") from exc
     if missing or unexpected:
         raise CheckpointError(f"{path}: weights do not fit the model in config.yaml "
                               f"(missing {len(missing)}, unexpected {len(unexpected)} tensors)")

@@ -99,7 +99,6 @@ class _Setup:
         data = config.data
         if resume:
             self.vocab = Vocabulary.load(run_dir)
-            save_run_files(run_dir, config, self.vocab)  # overrides given on resume are recorded
         else:
             notify("setup", {"message": "learning the BPE vocabulary"})
             self.vocab = train_or_load_vocabulary(data)
@@ -116,6 +115,7 @@ class _Setup:
         self.state = TrainState()
         if resume:
             self._restore()
+            save_run_files(run_dir, config, self.vocab)  # overrides given on resume are recorded once they fit
 
     def _restore(self) -> None:
         checkpoints = step_checkpoints(self.run_dir)
@@ -142,7 +142,9 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
     if resume is not None:
         if not (Path(resume) / "config.yaml").is_file():
             raise CheckpointError(f"--resume {resume}: not a run folder (no config.yaml)")
+        saved = load_config(Path(resume) / "config.yaml")
         config = load_config(Path(resume) / "config.yaml", overrides)
+        _refuse_fixed_changes(saved, config)
         config.name = Path(resume).name
         return config, Path(resume)
     config = load_config(config_path, overrides)
@@ -153,6 +155,22 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
                              "or pass --overwrite or another --output-dir")
         shutil.rmtree(run_dir)
     return config, run_dir
+
+
+# What a resumed run may change: its regularisation, not the weights' shapes or the vocabulary it learned.
+_RESUMABLE_MODEL_KEYS = ("dropout", "attention_dropout", "word_dropout")
+_VOCABULARY_KEYS = ("vocab_size", "joint_vocab", "min_frequency", "lowercase")
+
+
+def _refuse_fixed_changes(saved: Config, config: Config) -> None:
+    """UsageError when overrides on --resume change the model or the vocabulary of the run."""
+    fixed = [("model", key) for key in vars(saved.model) if key not in _RESUMABLE_MODEL_KEYS]
+    fixed += [("data", key) for key in _VOCABULARY_KEYS]
+    for section, key in fixed:
+        before, after = getattr(getattr(saved, section), key), getattr(getattr(config, section), key)
+        if before != after:
+            raise UsageError(f"--set {section}.{key}={after}: a resumed run keeps its {section}.{key} ({before}); "
+                             "start a new run (tformer train CONFIG) to change it")
 
 
 def train(config: Config, run_dir: Path, resume: bool = False, callback: Callback | None = None,
