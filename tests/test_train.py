@@ -205,6 +205,12 @@ def test_a_new_run_never_overwrites_an_old_one(tmp_path):
         prepare_run(None, None, [], None)
     config, run_dir = prepare_run(path, None, [], tmp_path / "run", overwrite=True)
     assert not run_dir.exists()
+    other = tmp_path / "not-a-run"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(UsageError, match="is not empty and holds no tformer run"):
+        prepare_run(path, None, [], other, overwrite=True)
+    assert (other / "notes.txt").read_text() == "keep me"
     assert find_weights(tmp_path / "run") if run_dir.exists() else True
 
 

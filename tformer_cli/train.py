@@ -150,6 +150,8 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
     config = load_config(config_path, overrides)
     run_dir = Path(output_dir or config.train.output_dir or Path("runs") / config.name)
     if run_dir.exists() and any(run_dir.iterdir()):
+        if not (run_dir / "config.yaml").is_file():  # --overwrite deletes runs only, never other folders
+            raise UsageError(f"{run_dir} is not empty and holds no tformer run; pick a new or empty --output-dir")
         if not overwrite:
             raise UsageError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, "
                              "or pass --overwrite or another --output-dir")
