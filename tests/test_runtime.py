@@ -27,6 +27,12 @@ def test_averaging_two_checkpoints_gives_the_element_wise_mean(tmp_path):
                                models[1].state_dict().values()):
         torch.testing.assert_close(a, (b + c) / 2, msg=name)
     assert averaged.output_proj.weight is averaged.encoder.embed.embedding.weight  # still tied
+    assert average_checkpoints(step_checkpoints(tmp_path)[:1], folder) == folder  # an average may be replaced
+    checkpoint = step_checkpoints(tmp_path)[0]
+    weights = (checkpoint / "model.safetensors").read_bytes()
+    with pytest.raises(UsageError, match="holds weights that are not an average"):
+        average_checkpoints(step_checkpoints(tmp_path), checkpoint)
+    assert (checkpoint / "model.safetensors").read_bytes() == weights
 
 
 def test_keep_last_prunes_old_checkpoints_and_weights_round_trip(tmp_path):

@@ -267,8 +267,13 @@ def _need_checkpoints(run_dir: Path, flag: str, count: int, found: int, what: st
 def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
     """Element-wise mean of the checkpoints' weights (as the paper and fairseq do), saved atomically
     in the folder ``output``, which is returned: eval and generate take it as a checkpoint."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    if (output / WEIGHTS).is_file():  # replace an earlier average, never a run's or a checkpoint's own weights
+        with safe_open(str(output / WEIGHTS), "pt") as existing:
+            if "averaged" not in (existing.metadata() or {}):
+                raise UsageError(f"--output {output}: holds weights that are not an average; pick another folder")
     total: dict[str, torch.Tensor] = {}
     for checkpoint in checkpoints:
         for name, tensor in load_file(str(checkpoint / WEIGHTS)).items():
