@@ -87,7 +87,8 @@ def train(
     overrides: SetOpt = None,
     device: DeviceOpt = None,
     output_dir: Annotated[Optional[Path], typer.Option(help="Run folder (default runs/<config name>).")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing run folder (never a folder that holds no run).")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        help="Replace an existing run folder (never a folder that holds no run).")] = False,
     quiet: QuietOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
