@@ -150,7 +150,7 @@ def eval_command(
     from tformer_cli.render import eval_table, print_json
     from tformer_cli.runtime import load_run, resolve_device
 
-    _check_decoding_flags(beam=beam, batch_size=batch_size, max_samples=max_samples)
+    _check_decoding_flags(beam=beam, batch_size=batch_size, max_samples=max_samples, length_penalty=length_penalty)
     if output:  # fail now, not after the evaluation
         output.parent.mkdir(parents=True, exist_ok=True)
         output.touch()
@@ -178,7 +178,8 @@ def _check_decoding_flags(**flags) -> None:
     rules = {"beam": (lambda v: v >= 1, ">= 1"), "nbest": (lambda v: v >= 1, ">= 1"),
              "batch_size": (lambda v: v >= 1, ">= 1"), "max_len": (lambda v: v >= 1, ">= 1"),
              "max_samples": (lambda v: v >= 1, ">= 1"), "temperature": (lambda v: v >= 0, ">= 0"),
-             "top_k": (lambda v: v >= 0, ">= 0 (0: no limit)"), "top_p": (lambda v: 0 < v <= 1, "in (0, 1]")}
+             "top_k": (lambda v: v >= 0, ">= 0 (0: no limit)"), "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+             "length_penalty": (lambda v: v >= 0, ">= 0 (0: no length normalisation)")}
     for name, value in flags.items():
         ok, expected = rules[name]
         if value is not None and not ok(value):
@@ -229,7 +230,7 @@ def generate(
     from tformer_cli.runtime import load_run, resolve_device
 
     _check_decoding_flags(beam=beam, nbest=nbest, batch_size=batch_size, max_len=max_len, temperature=temperature,
-                          top_k=top_k, top_p=top_p)
+                          top_k=top_k, top_p=top_p, length_penalty=length_penalty)
     dev = resolve_device(device or "auto")
     amp = _decoding_autocast(dev, precision)
     loaded = load_run(run, dev)

@@ -373,6 +373,8 @@ def validate(config: Config) -> list[str]:
          "set at least one of train.max_steps, train.epochs or train.max_time so training can stop")
 
     need(dec.beam_size >= 1, "decode.beam_size", f"must be >= 1, got {dec.beam_size}")
+    need(dec.length_penalty >= 0, "decode.length_penalty",
+         f"must be >= 0 (0: no length normalisation), got {dec.length_penalty}")
     need(dec.batch_size >= 1, "decode.batch_size", f"must be >= 1, got {dec.batch_size}")
     need(dec.temperature >= 0, "decode.temperature", f"must be >= 0, got {dec.temperature}")
     need(dec.top_k >= 0, "decode.top_k", f"must be >= 0, got {dec.top_k}")
