@@ -47,6 +47,9 @@ def test_keep_last_prunes_old_checkpoints_and_weights_round_trip(tmp_path):
     other = build_model(tiny_model_config(d_model=16), 30)
     with pytest.raises(CheckpointError, match="unreadable weights|do not fit"):
         load_weights(other, tmp_path / "w.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(CheckpointError, match="bad.safetensors: unreadable weights"):
+        load_weights(again, tmp_path / "bad.safetensors")
 
 
 def test_average_and_plot_commands_on_a_run(tmp_path):

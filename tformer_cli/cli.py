@@ -174,14 +174,15 @@ def eval_command(
 
 
 def _check_decoding_flags(**flags) -> None:
-    """One-line errors for out-of-range decoding flags, before any model is loaded (None: not given)."""
-    rules = {"beam": (lambda v: v >= 1, ">= 1"), "nbest": (lambda v: v >= 1, ">= 1"),
-             "batch_size": (lambda v: v >= 1, ">= 1"), "max_len": (lambda v: v >= 1, ">= 1"),
-             "max_samples": (lambda v: v >= 1, ">= 1"), "temperature": (lambda v: v >= 0, ">= 0"),
-             "top_k": (lambda v: v >= 0, ">= 0 (0: no limit)"), "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-             "length_penalty": (lambda v: v >= 0, ">= 0 (0: no length normalisation)")}
+    """One-line errors for out-of-range decoding flags, before any model is loaded (None: not given). The
+    flags that set a decode config key obey that key's range (config.DECODE_LIMITS)."""
+    from tformer_cli.config import DECODE_LIMITS
+
+    at_least_one = (lambda v: v >= 1, ">= 1")
+    limits = {**DECODE_LIMITS, "beam": DECODE_LIMITS["beam_size"], "nbest": at_least_one, "max_len": at_least_one,
+              "max_samples": at_least_one}
     for name, value in flags.items():
-        ok, expected = rules[name]
+        ok, expected = limits[name]
         if value is not None and not ok(value):
             raise UsageError(f"--{name.replace('_', '-')} {value}: must be {expected}")
 

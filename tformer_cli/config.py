@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import yaml
 
@@ -124,6 +124,17 @@ class DecodeConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+
+
+# The range of each decode setting, for the config check and for the same flags of `eval` and `generate`.
+DECODE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "beam_size": (lambda v: v >= 1, ">= 1"),
+    "length_penalty": (lambda v: v >= 0, ">= 0 (0: no length normalisation)"),  # beam search's early stop needs it
+    "batch_size": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: v >= 0, ">= 0"),
+    "top_k": (lambda v: v >= 0, ">= 0 (0: no limit)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+}
 
 
 @dataclass
@@ -372,13 +383,8 @@ def validate(config: Config) -> list[str]:
     need(t.max_steps is not None or t.epochs is not None or t.max_time is not None, "train.max_steps",
          "set at least one of train.max_steps, train.epochs or train.max_time so training can stop")
 
-    need(dec.beam_size >= 1, "decode.beam_size", f"must be >= 1, got {dec.beam_size}")
-    need(dec.length_penalty >= 0, "decode.length_penalty",
-         f"must be >= 0 (0: no length normalisation), got {dec.length_penalty}")
-    need(dec.batch_size >= 1, "decode.batch_size", f"must be >= 1, got {dec.batch_size}")
-    need(dec.temperature >= 0, "decode.temperature", f"must be >= 0, got {dec.temperature}")
-    need(dec.top_k >= 0, "decode.top_k", f"must be >= 0, got {dec.top_k}")
-    need(0 < dec.top_p <= 1, "decode.top_p", f"must be in (0, 1], got {dec.top_p}")
+    for key, (ok, expected) in DECODE_LIMITS.items():
+        need(ok(getattr(dec, key)), f"decode.{key}", f"must be {expected}, got {getattr(dec, key)}")
     need(dec.max_len_a >= 0 and dec.max_len_b >= 0, "decode.max_len_a",
          "max_len_a and max_len_b must be >= 0")
     return errors

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tformer_cli.config import DataConfig
-from tformer_cli.errors import DataError
+from tformer_cli.errors import DataError, first_line
 from tformer_cli.tokenizer import PAD_ID, RECIPE, Vocabulary
 
 TRAINING_ONLY = {"bpe_dropout"}  # data settings that change neither the vocabulary nor the cached encodings
@@ -79,12 +79,7 @@ def _load_files(fmt: str, files: list[str]):
     try:
         return datasets.load_dataset(fmt, data_files={"split": files}, split="split")
     except Exception as exc:  # datasets raises many kinds for unreadable files
-        raise DataError(f"could not read {', '.join(files)} as {fmt}: {_first_line(exc)}") from exc
-
-
-def _first_line(exc: Exception) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+        raise DataError(f"could not read {', '.join(files)} as {fmt}: {first_line(exc)}") from exc
 
 
 def _text_pairs(files: list[str]) -> list[tuple[str, str]]:
@@ -109,7 +104,7 @@ def _load_named(name: str, split: str):
         dataset = datasets.load_dataset(name)
     except Exception as exc:
         if local:
-            raise DataError(f"could not load the dataset folder '{name}': {_first_line(exc)}") from exc
+            raise DataError(f"could not load the dataset folder '{name}': {first_line(exc)}") from exc
         raise DataError(
             f"could not load '{name}' from the Hugging Face hub ({type(exc).__name__}); offline? point at local "
             f"files instead: --set data.dataset=path/to/folder, or data.data_files: {{train: train.jsonl, ...}}"

@@ -19,3 +19,9 @@ class CheckpointError(TformerError):
 
 class UsageError(TformerError):
     """A command-line argument is out of range or inconsistent."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (or its type's name), for a one-line error about it."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

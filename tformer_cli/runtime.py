@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from tformer_cli.config import Config, config_from_dict, to_yaml
-from tformer_cli.errors import CheckpointError, UsageError
+from tformer_cli.errors import CheckpointError, UsageError, first_line
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 WEIGHTS, TRAINER, CHECKPOINTS = "model.safetensors", "trainer.pt", "checkpoints"
@@ -104,15 +104,23 @@ def save_weights(model: torch.nn.Module, path: Path, metadata: dict[str, str] | 
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load safetensors weights into ``model``; CheckpointError (one line) when they do not fit it."""
+    from safetensors import safe_open
+
+    model = _unwrap(model)
     try:
-        missing, unexpected = load_model(_unwrap(model), str(path), strict=False)
+        with safe_open(str(path), "pt") as stored:
+            shapes = {name: tuple(stored.get_slice(name).get_shape()) for name in stored.keys()}
     except Exception as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
-        mismatched = [line for line in lines if line.startswith("size mismatch")]
-        if mismatched:  # torch lists every tensor; the first says enough
-            raise CheckpointError(f"{path}: weights do not fit the model in config.yaml ({len(mismatched)} tensors "
-                                  f"differ in shape; the first: {mismatched[0]})") from exc
-        raise CheckpointError(f"{path}: unreadable weights ({lines[0]}); pick another checkpoint") from exc
+        raise CheckpointError(f"{path}: unreadable weights ({first_line(exc)}); pick another checkpoint") from exc
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    mismatched = sorted(name for name in shapes.keys() & expected.keys() if shapes[name] != expected[name])
+    if mismatched:
+        first = mismatched[0]
+        raise CheckpointError(f"{path}: weights do not fit the model in config.yaml ({len(mismatched)} tensors "
+                              f"differ in shape, e.g. {first}: {list(shapes[first])} stored, "
+                              f"{list(expected[first])} in the model)")
+    missing, unexpected = load_model(model, str(path), strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{path}: weights do not fit the model in config.yaml "
                               f"(missing {len(missing)}, unexpected {len(unexpected)} tensors)")
