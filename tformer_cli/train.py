@@ -142,9 +142,9 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
     if resume is not None:
         if not (Path(resume) / "config.yaml").is_file():
             raise CheckpointError(f"--resume {resume}: not a run folder (no config.yaml)")
-        saved = load_config(Path(resume) / "config.yaml")
         config = load_config(Path(resume) / "config.yaml", overrides)
-        _refuse_fixed_changes(saved, config)
+        if overrides:
+            _refuse_fixed_changes(load_config(Path(resume) / "config.yaml"), config)
         config.name = Path(resume).name
         return config, Path(resume)
     config = load_config(config_path, overrides)
