@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
+
+
+METRICS = {"bleu": "BLEU", "exact_match": "exact match, %", "chrf": "chrF"}
+
+
+def score_to_plot(validation: list[dict[str, Any]]) -> str | None:
+    """BLEU, unless it is zero throughout (one-word outputs have no 4-grams): then exact match, then chrF."""
+    return next((key for key in METRICS if any(record.get(key) for record in validation)), None)
 
 
 def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -15,7 +24,7 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
 
     train = [r for r in records if r.get("split") == "train"]
     valid = [r for r in records if r.get("split") == "validation"]
-    metrics = [key for key in ("bleu", "chrf", "exact_match") if any(key in r for r in valid)][:1]
+    metrics = [key for key in [score_to_plot(valid)] if key]
     fig, axes = plt.subplots(1, 1 + len(metrics), figsize=(5.5 * (1 + len(metrics)), 4), squeeze=False)
     loss_ax = axes[0][0]
     loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (NLL)", alpha=0.6)
@@ -23,15 +32,22 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("loss (nats / target token)")
     loss_ax.set_yscale("log")
-    loss_ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    loss_ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.1f"))
+    # Plain numbers on the log axis; between powers of ten label 2 and 5, or 2 to 6 where under a decade shows.
+    low, high = loss_ax.get_ylim()
+    labelled = {2, 5} if math.log10(high / low) > 1 else {2, 3, 4, 6}
+    loss_ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    loss_ax.yaxis.set_minor_formatter(
+        matplotlib.ticker.FuncFormatter(
+            lambda value, _: f"{value:g}" if round(value / 10 ** math.floor(math.log10(value))) in labelled else ""
+        )
+    )
     loss_ax.legend()
     loss_ax.grid(alpha=0.3)
     for ax, key in zip(axes[0][1:], metrics):
         points = [r for r in valid if key in r]
         ax.plot([r["step"] for r in points], [r[key] for r in points], "o-", color="tab:green")
         ax.set_xlabel("step")
-        ax.set_ylabel(f"validation {key.replace('_', ' ')} (greedy)")
+        ax.set_ylabel(f"validation {METRICS[key]} (greedy)")
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
