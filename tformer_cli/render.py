@@ -195,8 +195,8 @@ def generation_lines(result, as_json: bool) -> None:
     """One line per input: the best output (n-best tab-separated), or one JSON object."""
     if as_json:
         print_json({"input": result.source, "outputs": [text for text, _ in result.outputs],
-                    "scores": [hyp.score for _, hyp in result.outputs],
-                    "normalized_scores": [hyp.normalized for _, hyp in result.outputs],
+                    "scores": [round(hyp.score, 4) for _, hyp in result.outputs],  # log-probabilities
+                    "normalized_scores": [round(hyp.normalized, 4) for _, hyp in result.outputs],
                     "truncated": result.truncated})
     else:
         sys.stdout.write("\t".join(text for text, _ in result.outputs) + "\n")
