@@ -24,8 +24,9 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
 
     train = [r for r in records if r.get("split") == "train"]
     valid = [r for r in records if r.get("split") == "validation"]
-    metrics = [key for key in [score_to_plot(valid)] if key]
-    fig, axes = plt.subplots(1, 1 + len(metrics), figsize=(5.5 * (1 + len(metrics)), 4), squeeze=False)
+    score = score_to_plot(valid)
+    panels = 1 + (score is not None)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     loss_ax = axes[0][0]
     loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (NLL)", alpha=0.6)
     loss_ax.plot([r["step"] for r in valid], [r["loss"] for r in valid], "o-", label="validation")
@@ -43,11 +44,12 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
     )
     loss_ax.legend()
     loss_ax.grid(alpha=0.3)
-    for ax, key in zip(axes[0][1:], metrics):
-        points = [r for r in valid if key in r]
-        ax.plot([r["step"] for r in points], [r[key] for r in points], "o-", color="tab:green")
+    if score is not None:
+        ax = axes[0][1]
+        points = [r for r in valid if score in r]
+        ax.plot([r["step"] for r in points], [r[score] for r in points], "o-", color="tab:green")
         ax.set_xlabel("step")
-        ax.set_ylabel(f"validation {METRICS[key]} (greedy)")
+        ax.set_ylabel(f"validation {METRICS[score]} (greedy)")
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
