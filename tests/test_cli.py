@@ -146,3 +146,10 @@ def test_weights_that_do_not_fit_the_config_are_a_one_line_error(run_dir, tmp_pa
     result = runner.invoke(app, ["generate", str(copy), "seven"])
     assert result.exit_code == 1 and result.output.count("\n") == 1
     assert "weights do not fit the model in config.yaml" in result.output and "differ in shape" in result.output
+
+
+def test_eval_output_is_not_created_when_the_run_fails_to_load(tmp_path):
+    hyps = tmp_path / "out" / "hyps.txt"
+    result = runner.invoke(app, ["eval", str(tmp_path / "no-run"), "--output", str(hyps)])
+    assert result.exit_code == 1 and "no such run folder" in result.output
+    assert not hyps.exists()

@@ -151,12 +151,12 @@ def eval_command(
     from tformer_cli.runtime import load_run, resolve_device
 
     _check_decoding_flags(beam=beam, batch_size=batch_size, max_samples=max_samples, length_penalty=length_penalty)
-    if output:  # fail now, not after the evaluation
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.touch()
     dev = resolve_device(device or "auto")
     amp = _decoding_autocast(dev, precision)  # checked before the model is loaded
     loaded = load_run(run, dev)
+    if output:  # a folder or an unwritable path fails now, not after the evaluation (nor before the run loads)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        open(output, "a").close()
     data = loaded.config.data
     if data_files:
         data = replace(data, data_files={split: [str(f) for f in data_files]}, format="auto")
