@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from conftest import tiny_model_config
-from tformer_cli.decoding import DecodeOptions, argmax, beam_search, decode_batch, greedy_or_sample, translate
+from tformer_cli.decoding import DecodeOptions, argmax, beam_search, decode_batch, greedy_or_sample, topk, translate
 from tformer_cli.model import build_model
 from tformer_cli.tokenizer import BOS_ID, EOS_ID, Vocabulary
 
@@ -147,3 +147,16 @@ def test_blocked_argmax_equals_torch_argmax_with_ties(vocab):
     assert torch.equal(argmax(x), x.argmax(-1))
     y = torch.randn(16, vocab)
     assert torch.equal(argmax(y), y.argmax(-1))
+
+
+@pytest.mark.parametrize("columns, k", [(4 * 8000, 8), (4 * 37000, 8), (2 * 24, 4), (700, 10), (96, 8)])
+def test_blocked_topk_equals_torch_topk(columns, k):
+    torch.manual_seed(0)
+    x = torch.randn(16, columns)
+    x[2, -1], x[3, 0] = 50.0, 50.0  # the largest in the last column, and in the first
+    x[4, : columns // 2] = float("-inf")  # beams not yet expanded score -inf
+    x[5, columns - k:] = 10.0 + torch.arange(k)  # all k largest in the last block
+    values, indices = topk(x, k)
+    expected = x.topk(k, dim=-1)
+    assert torch.equal(values, expected.values)
+    assert torch.equal(indices, expected.indices)

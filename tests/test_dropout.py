@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tformer_cli.model.dropout import Dropout, dropout
+from tformer_cli.model.dropout import Dropout, dropout, keep_mask
 
 
 def test_kept_elements_are_scaled_and_the_rate_is_p():
@@ -9,7 +9,20 @@ def test_kept_elements_are_scaled_and_the_rate_is_p():
     out = dropout(x, 0.3)
     kept = out != 0
     assert abs(kept.float().mean().item() - 0.7) < 0.01  # 100,000 draws: the standard error is 0.0015
-    torch.testing.assert_close(out[kept], x[kept] / 0.7)
+    # p is rounded to a multiple of 1/65536 (0.3 -> 0.300003), and the scale with it
+    torch.testing.assert_close(out[kept], x[kept] / 0.7, rtol=1e-5, atol=0)
+
+
+def test_mask_lanes_are_uniform_and_the_scale_keeps_the_expected_value():
+    torch.manual_seed(0)
+    for p in (0.1, 0.2, 0.5):
+        keep, scale = keep_mask((1_000_000,), p)
+        rate = keep.float().mean().item()
+        assert abs(rate - (1 - p)) < 0.002  # the standard error is at most 0.0005
+        assert abs(scale * (1 - p) - 1) < 1e-4
+    keep, _ = keep_mask((4, 250_000), 0.5)  # each of the four 16-bit lanes of a draw is a fair coin
+    lanes = keep.view(-1, 4).float().mean(dim=0)
+    assert (lanes - 0.5).abs().max().item() < 0.005
 
 
 def test_gradient_is_the_mask_over_keep_probability():

