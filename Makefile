@@ -34,12 +34,14 @@ MULTI30K ?= ../shared/data/multi30k
 DIRECTION ?= de-en
 M30K_CONFIG := configs/multi30k$(if $(filter en-de,$(DIRECTION)),-en-de,).yaml
 M30K_RUN := runs/multi30k-$(DIRECTION)
+# checkpoints averaged: en-de takes the last 10 (validation, three seeds: 41.97 against 41.94 for the last 5)
+M30K_LAST := $(if $(filter en-de,$(DIRECTION)),10,5)
 
 multi30k: $(STAMP) ## Train one Multi30k direction (about an hour on 2 cores), average, evaluate, plot
 	$(BIN)/tformer train $(M30K_CONFIG) --set data.dataset=$(MULTI30K) --output-dir $(M30K_RUN) --overwrite
-	$(BIN)/tformer average $(M30K_RUN) --last 5
+	$(BIN)/tformer average $(M30K_RUN) --last $(M30K_LAST)
 	$(BIN)/tformer eval $(M30K_RUN) --beam 1
-	$(BIN)/tformer eval $(M30K_RUN)/checkpoints/average-last-5 --beam 5
+	$(BIN)/tformer eval $(M30K_RUN)/checkpoints/average-last-$(M30K_LAST) --beam 5
 	$(BIN)/tformer plot $(M30K_RUN)
 
 BENCH_ARGS ?=
