@@ -130,7 +130,9 @@ def _weights(run_dir):
 
 
 def test_resuming_gives_the_same_weights_as_training_straight_through(tmp_path):
-    path = write_config(tmp_path / "r.yaml", train={"max_steps": 8, "eval_every": 1000})
+    from safetensors.torch import load_file
+
+    path = write_config(tmp_path / "r.yaml", train={"max_steps": 8, "eval_every": 1000, "ema_decay": 0.9})
     train(load_config(path), tmp_path / "straight")
     train(load_config(path, ["train.max_steps=3"]), tmp_path / "resumed")
     config, run_dir = prepare_run(None, tmp_path / "resumed", ["train.max_steps=8"], None)
@@ -140,6 +142,31 @@ def test_resuming_gives_the_same_weights_as_training_straight_through(tmp_path):
     assert straight.keys() == resumed.keys()
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
+    ema = [load_file(str(run / "checkpoints" / "ema" / "model.safetensors")) for run in (tmp_path / "straight", run_dir)]
+    assert all(torch.equal(ema[0][name], ema[1][name]) for name in straight)  # the average resumes too
+    assert not all(torch.equal(ema[0][name], straight[name]) for name in straight)
+    assert load_run(run_dir / "checkpoints" / "ema").weights.parent.name == "ema"  # eval and generate take it
+
+
+def test_weight_ema_follows_its_formula_and_lends_the_model_its_weights():
+    from tformer_cli.ema import WeightEMA
+
+    model = torch.nn.Linear(3, 2)
+    start = [p.detach().clone() for p in model.parameters()]
+    ema = WeightEMA(model, decay=0.5)
+    expected = start
+    for t in range(1, 5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(float(t))
+        ema.update()
+        decay = min(0.5, (1 + t) / (10 + t))
+        expected = [decay * e + (1 - decay) * p.detach() for e, p in zip(expected, model.parameters())]
+    live = [p.detach().clone() for p in model.parameters()]
+    with ema.applied():
+        for p, e in zip(model.parameters(), expected):
+            torch.testing.assert_close(p.detach(), e)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), live))
 
 
 def test_a_write_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):

@@ -110,6 +110,7 @@ class TrainConfig:
     patience: Optional[int] = None  # evaluations without improvement before stopping
     save_every: Optional[int] = None  # steps between checkpoints (default: eval_every)
     keep_last: int = 3
+    ema_decay: float = 0.0  # > 0: keep an exponential moving average of the weights (checkpoints/ema)
 
 
 @dataclass
@@ -367,6 +368,7 @@ def validate(config: Config) -> list[str]:
     need(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     need(t.schedule != "noam" or t.warmup_steps > 0, "train.warmup_steps", "the noam schedule needs warmup_steps > 0")
     need(0.0 <= t.label_smoothing < 1.0, "train.label_smoothing", f"must be in [0, 1), got {t.label_smoothing}")
+    need(0.0 <= t.ema_decay < 1.0, "train.ema_decay", f"must be in [0, 1) (0 turns it off), got {t.ema_decay}")
     need(t.rdrop >= 0, "train.rdrop", f"must be >= 0 (0 turns R-Drop off), got {t.rdrop}")
     need(not t.rdrop or m.dropout > 0 or m.attention_dropout > 0 or m.word_dropout > 0, "train.rdrop",
          "needs dropout (with model.dropout, attention_dropout and word_dropout 0 both passes are the same); "

@@ -20,11 +20,12 @@ import torch
 
 from tformer_cli.config import Config, TrainConfig
 from tformer_cli.data import EncodedSplit, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary
+from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, UsageError
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.runtime import (
-    WEIGHTS, append_jsonl, autocast, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint,
+    CHECKPOINTS, WEIGHTS, append_jsonl, autocast, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint,
     save_run_files, save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints,
     tune_allocator)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
@@ -113,11 +114,16 @@ class _Setup:
         self.model = build_model(config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(device)
         self.optimizer = make_optimizer(self.model, config.train, device)
         self.state = TrainState()
+        saved = self._restore() if resume else {}
         if resume:
-            self._restore()
             save_run_files(run_dir, config, self.vocab)  # overrides given on resume are recorded once they fit
+        self.ema = WeightEMA(self.model, config.train.ema_decay) if config.train.ema_decay else None
+        if self.ema is not None and "ema" in saved:
+            self.ema.load_state_dict(saved["ema"])
+        elif self.ema is not None:  # a new run, or averaging switched on at resume: from the weights as they are
+            self.ema.updates = self.state.step
 
-    def _restore(self) -> None:
+    def _restore(self) -> dict:
         checkpoints = step_checkpoints(self.run_dir)
         if not checkpoints:
             raise CheckpointError(f"{self.run_dir}: no checkpoint to resume from; start a new run instead")
@@ -126,6 +132,7 @@ class _Setup:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.state = TrainState(**saved["state"])
         set_rng_state(saved["rng"])
+        return saved
 
 
 def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[str], output_dir: Path | None,
@@ -224,6 +231,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 scaler.step(optimizer)  # step
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
+                if setup.ema is not None:
+                    setup.ema.update()
                 state.step += 1
                 state.batch_in_epoch += len(group)
                 state.target_tokens += group_tokens
@@ -355,7 +364,14 @@ def _checkpoint(setup: _Setup, notify: Callback, rank: int) -> None:
         return
     state = setup.state
     trainer_state = {"optimizer": setup.optimizer.state_dict(), "state": asdict(state), "rng": rng_state()}
+    if setup.ema is not None:
+        trainer_state["ema"] = setup.ema.state_dict()
     path = save_checkpoint(setup.run_dir, state.step, setup.model, trainer_state, setup.config.train.keep_last)
+    if setup.ema is not None:  # the average as a checkpoint of its own, for eval and generate
+        (setup.run_dir / CHECKPOINTS / "ema").mkdir(exist_ok=True)
+        with setup.ema.applied():
+            save_weights(setup.model, setup.run_dir / CHECKPOINTS / "ema" / WEIGHTS,
+                         {"step": str(state.step), "ema_decay": str(setup.ema.decay)})
     if setup.valid_data is None:  # no validation: the latest weights are the run's weights
         save_weights(setup.model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
     notify("checkpoint", {"step": state.step, "path": str(path)})
