@@ -48,7 +48,7 @@ def test_all_mistakes_are_reported_together(tmp_path):
     assert f"{bad}: model.num_head: unknown key; did you mean 'num_heads'?" in lines
     assert f"{bad}: train.schedule: must be one of 'noam', 'inverse_sqrt', 'cosine', 'constant', got 'cosin'; did you mean 'cosine'?" in lines
     # the type errors stop before value checks, then values are checked once types are right
-    bad.write_text("model:\n  d_model: 500\n  word_dropout: -0.1\ndata:\n  bpe_dropout: 1\ntrain:\n  lr: -1\n  rdrop: -0.5\n"
+    bad.write_text("model:\n  d_model: 500\n  word_dropout: -0.1\ndata:\n  bpe_dropout: 1\ntrain:\n  lr: -1\n  rdrop: -0.5\n  ema_decay: 1\n"
                    "decode:\n  length_penalty: -1\n")
     with pytest.raises(ConfigError) as info:
         load_config(bad)
@@ -59,6 +59,7 @@ def test_all_mistakes_are_reported_together(tmp_path):
     assert f"{bad}: decode.length_penalty: must be >= 0 (0: no length normalisation), got -1.0" in lines
     assert f"{bad}: data.bpe_dropout: must be in [0, 1), got 1.0" in lines
     assert f"{bad}: train.rdrop: must be >= 0 (0 turns R-Drop off), got -0.5" in lines
+    assert f"{bad}: train.ema_decay: must be in [0, 1) (0 turns it off), got 1.0" in lines
     bad.write_text("model:\n  dropout: 0\ntrain:\n  rdrop: 1\n")
     with pytest.raises(ConfigError, match="train.rdrop: needs dropout"):
         load_config(bad)

@@ -148,27 +148,6 @@ def test_resuming_gives_the_same_weights_as_training_straight_through(tmp_path):
     assert load_run(run_dir / "checkpoints" / "ema").weights.parent.name == "ema"  # eval and generate take it
 
 
-def test_weight_ema_follows_its_formula_and_lends_the_model_its_weights():
-    from tformer_cli.ema import WeightEMA
-
-    model = torch.nn.Linear(3, 2)
-    start = [p.detach().clone() for p in model.parameters()]
-    ema = WeightEMA(model, decay=0.5)
-    expected = start
-    for t in range(1, 5):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(float(t))
-        ema.update()
-        decay = min(0.5, (1 + t) / (10 + t))
-        expected = [decay * e + (1 - decay) * p.detach() for e, p in zip(expected, model.parameters())]
-    live = [p.detach().clone() for p in model.parameters()]
-    with ema.applied():
-        for p, e in zip(model.parameters(), expected):
-            torch.testing.assert_close(p.detach(), e)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), live))
-
-
 def test_a_write_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     import tformer_cli.runtime as runtime
 
