@@ -137,6 +137,23 @@ def test_reordering_within_beams_equals_a_full_select(model):
     torch.testing.assert_close(a, b)
 
 
+def test_beams_sharing_their_sentences_memory_equal_a_memory_row_per_beam(model):
+    from tformer_cli.model.transformer import Encoded
+
+    K, src = 3, _sources()  # 5 sentences x 3 beams; sentences 1 and 3 are padded
+    encoded = model.encode(src)
+    repeated = Encoded(encoded.memory.repeat_interleave(K, dim=0), encoded.mask.repeat_interleave(K, dim=0))
+    grouped, flat = model.start_cache(encoded, group=K), model.start_cache(repeated)
+    with torch.no_grad():
+        tgt = torch.randint(4, VOCAB, (5 * K, 3))
+        torch.testing.assert_close(model.decode(tgt, encoded, grouped).hidden, model.decode(tgt, repeated, flat).hidden)
+        rows = torch.tensor([k + K * s for s in (0, 3, 4) for k in range(K)])  # sentences 1 and 2 finished
+        grouped.select(rows)
+        flat.select(rows)
+        step = torch.randint(4, VOCAB, (rows.numel(), 1))
+        torch.testing.assert_close(model.decode(step, encoded, grouped).hidden, model.decode(step, repeated, flat).hidden)
+
+
 @pytest.mark.parametrize("vocab", [8000, 37000, 24, 100, 7])
 def test_blocked_argmax_equals_torch_argmax_with_ties(vocab):
     torch.manual_seed(0)

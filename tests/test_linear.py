@@ -114,3 +114,21 @@ def test_train_mode_drops_the_packed_copy():
     assert "_packed" in layer.__dict__  # kept for the next decoding call
     layer.train()
     assert "_packed" not in layer.__dict__
+
+
+@needs_packing
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_activation_is_fused_into_the_packed_call_and_matches_f_linear(activation, autocast):
+    layer = Linear(32, 48, activation=activation)
+    reference = {"relu": F.relu, "gelu": F.gelu}[activation]
+    for shape in [(8, 1, 32), (5, 32)]:  # as it is, and padded to 8 rows
+        x = torch.randn(shape)
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = layer(x)
+            expected = reference(F.linear(x, layer.weight, layer.bias))
+        assert hasattr(layer, "_packed") and out.shape == (*shape[:-1], 48)
+        tolerance = 3e-2 if autocast else 1e-5
+        torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    x = torch.randn(5, 32, requires_grad=True)  # training: F.linear, then the activation
+    torch.testing.assert_close(layer(x), reference(F.linear(x, layer.weight, layer.bias)))

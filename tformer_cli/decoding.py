@@ -161,8 +161,8 @@ def beam_search(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> 
     B, K, device = src.shape[0], options.beam_size, src.device
     alpha = options.length_penalty
     limits = max_new_tokens(src, model.pad_id, options, model.decoder.embed.max_len).tolist()
-    encoded = model.encode(src).select(torch.arange(B, device=device).repeat_interleave(K))  # (B*K, S, d)
-    cache = model.start_cache(encoded, capacity=max(limits) + 1)
+    encoded = model.encode(src)  # (B, S, d): the K beams of a sentence share its cross-attention K/V
+    cache = model.start_cache(encoded, capacity=max(limits) + 1, group=K)
     scores = torch.zeros(B, K, device=device)
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
     history = torch.empty(B * K, 0, dtype=torch.long, device=device)

@@ -194,7 +194,8 @@ class MultiHeadAttention(nn.Module):
         Args:
             mask: boolean or additive, broadcastable to (B, H, T, T_k).
             cache: self-attention K/V of earlier steps; the new K/V are appended to it.
-            memory_kv: precomputed cross-attention K/V (see ``project_memory``).
+            memory_kv: precomputed cross-attention K/V (see ``project_memory``), for B or for B / n rows
+                when each consecutive n rows of x share one (the beams of a sentence).
             rotary: rotary position embedding applied to q and k (self-attention only).
             position: index of x's first token (for rotary embeddings while decoding).
 
@@ -203,8 +204,10 @@ class MultiHeadAttention(nn.Module):
         """
         B, T, d_model = x.shape
         if self.cross:
-            q = self.split_heads(self.q_proj(x))  # (B, H, T, d_k)
-            k, v = memory_kv if memory_kv is not None else self.project_memory(memory)  # (B, H, S, d_k)
+            k, v = memory_kv if memory_kv is not None else self.project_memory(memory)  # (B_mem, H, S, d_k)
+            # Beam search keeps one memory row per sentence for its B / B_mem consecutive beams: their
+            # queries attend together, as more queries of one row.
+            q = self.split_heads(self.q_proj(x).view(k.shape[0], -1, d_model))  # (B_mem, H, B / B_mem * T, d_k)
         else:
             q, k, v = self.qkv_proj(x).view(B, T, 3, self.num_heads, self.d_k).permute(2, 0, 3, 1, 4)
             if rotary is not None:
@@ -213,7 +216,7 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.append(k, v)  # (B, H, position + T, d_k)
         dropout_p = self.dropout if self.training else 0.0
         out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p, need_weights, is_causal)
-        out = out.transpose(1, 2).reshape(B, T, d_model)  # concatenate heads: (B, T, d_model)
+        out = out.transpose(1, 2).reshape(B, T, d_model)  # concatenate heads (and ungroup beams): (B, T, d_model)
         return self.out_proj(out), weights
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tformer_cli.model.attention import KVCache, MultiHeadAttention, RotaryEmbedding, cache_dtype
@@ -22,12 +21,11 @@ class PositionwiseFeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu") -> None:
         super().__init__()
-        self.linear1 = Linear(d_model, d_ff)
+        self.linear1 = Linear(d_model, d_ff, activation=activation)  # max(0, x W_1 + b_1), in one call
         self.linear2 = Linear(d_ff, d_model)
-        self.activation = F.relu if activation == "relu" else F.gelu
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear2(self.activation(self.linear1(x)))  # (B, T, d_model)
+        return self.linear2(self.linear1(x))  # (B, T, d_ff) -> (B, T, d_model)
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
@@ -157,6 +155,6 @@ class DecoderLayerCache:
         # cross-attention K/V, (B, H, S, d_k) each: fixed per source
         self.memory_kv = tuple(t.to(cache_dtype(t)) for t in memory_kv)
 
-    def select(self, index: Tensor) -> None:
-        self.self_kv.select(index)
+    def select_memory(self, index: Tensor) -> None:
+        """Keep the cross-attention K/V of sources ``index``."""
         self.memory_kv = (self.memory_kv[0].index_select(0, index), self.memory_kv[1].index_select(0, index))

@@ -31,25 +31,41 @@ MIN_WEIGHT = 2**17
 MIN_WEIGHT_AUTOCAST = 2**16
 
 
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
+
+
 class Linear(nn.Linear):
-    """``nn.Linear``; without autograd on a CPU, in fp32 or under bf16 autocast, computed from a
-    oneDNN-packed weight where that pays."""
+    """``nn.Linear``, optionally followed by an activation (``relu`` or ``gelu``); without autograd on
+    a CPU, in fp32 or under bf16 autocast, computed from a oneDNN-packed weight where that pays, with
+    the activation applied by the same call."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str | None = None,
+                 **kwargs) -> None:
+        super().__init__(in_features, out_features, bias, **kwargs)
+        self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
         if not PACKING or torch.is_grad_enabled() or not x.is_cpu or self.weight.dtype != torch.float32:
-            return F.linear(x, self.weight, self.bias)
+            return self._unpacked(x)
         n = x.numel() // self.in_features  # rows
         dtype = _packed_dtype(x)
         min_weight = MIN_WEIGHT if dtype == torch.float32 else MIN_WEIGHT_AUTOCAST
         if dtype is None or n == 0 or n > MAX_ROWS or self.in_features * self.out_features < min_weight:
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(n, self.in_features).to(dtype)
+            return self._unpacked(x)
         padded = _padded_rows(n)
-        if padded != n:
-            rows = torch.cat([rows, rows.new_zeros(padded - n, self.in_features)])
-        weight, bias = self._packed_weight(dtype, rows.shape[0])
-        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")[:n]
+        weight, bias = self._packed_weight(dtype, padded)
+        attr = self.activation or "none"
+        algorithm = "none" if self.activation == "gelu" else ""  # the erf form, as F.gelu
+        if padded == n:  # the op flattens the leading dimensions itself
+            return torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, bias, attr, [], algorithm)
+        rows = x.reshape(n, self.in_features).to(dtype)
+        rows = torch.cat([rows, rows.new_zeros(padded - n, self.in_features)])
+        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, attr, [], algorithm)[:n]
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _unpacked(self, x: Tensor) -> Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return ACTIVATIONS[self.activation](out) if self.activation else out
 
     def train(self, mode: bool = True) -> "Linear":
         if mode:  # training will change the weight: drop the packed copy instead of holding it stale

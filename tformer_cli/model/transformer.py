@@ -29,10 +29,6 @@ class Encoded:
     mask: Tensor  # (B, 1, 1, S), True at real source tokens
     attention: list[Tensor] | None = None  # per layer (B, H, S, S), when asked for
 
-    def select(self, index: Tensor) -> "Encoded":
-        """Rows ``index`` of the batch (e.g. each source repeated once per beam)."""
-        return Encoded(self.memory.index_select(0, index), self.mask.index_select(0, index))
-
 
 @dataclass
 class Decoded:
@@ -42,18 +38,26 @@ class Decoded:
 
 
 class DecoderCache:
-    """Per-layer self-attention K/V and cross-attention K/V for incremental decoding."""
+    """Per-layer self-attention K/V and cross-attention K/V for incremental decoding.
 
-    def __init__(self, layers: list[DecoderLayerCache], memory_mask: Tensor) -> None:
+    With ``group`` n > 1 the decoder runs n rows per source (the beams of a sentence, consecutive):
+    self-attention K/V have a row each, cross-attention K/V and the source mask one per source.
+    """
+
+    def __init__(self, layers: list[DecoderLayerCache], memory_mask: Tensor, group: int = 1) -> None:
         self.layers = layers
-        self.memory_mask = memory_mask  # (B, 1, 1, S)
+        self.memory_mask = memory_mask  # (B_src, 1, 1, S)
+        self.group = group
         self.position = 0  # number of target tokens decoded so far
 
     def select(self, index: Tensor) -> None:
-        """Keep batch rows ``index``: drop finished sentences (or reorder rows freely)."""
+        """Keep rows ``index``: drop finished sentences (or reorder rows freely). With groups, the
+        index keeps whole groups, in order (e.g. rows 4-7 and 0-3 for beam 4)."""
+        sources = index if self.group == 1 else index[::self.group] // self.group
         for layer in self.layers:
-            layer.select(index)
-        self.memory_mask = self.memory_mask.index_select(0, index)
+            layer.self_kv.select(index)
+            layer.select_memory(sources)
+        self.memory_mask = self.memory_mask.index_select(0, sources)
 
     def reorder(self, index: Tensor) -> None:
         """Reorder rows within groups that share a source, such as the beams of one sentence: their
@@ -150,11 +154,12 @@ class Transformer(nn.Module):
         """Teacher-forced logits (B, T, V_tgt) for source (B, S) and target input (B, T)."""
         return self.logits(self.decode(tgt, self.encode(src)).hidden)
 
-    def start_cache(self, encoded: Encoded, capacity: int = 64) -> DecoderCache:
-        """An empty decoding cache; each layer's cross-attention K/V are computed here, once."""
+    def start_cache(self, encoded: Encoded, capacity: int = 64, group: int = 1) -> DecoderCache:
+        """An empty decoding cache; each layer's cross-attention K/V are computed here, once. With
+        ``group`` n, the decoder will run n consecutive rows per source (beam search)."""
         layers = [DecoderLayerCache(layer.cross_attn.project_memory(encoded.memory), capacity)
                   for layer in self.decoder.layers]
-        return DecoderCache(layers, encoded.mask)
+        return DecoderCache(layers, encoded.mask, group)
 
 
 def build_model(config: ModelConfig, src_vocab_size: int, tgt_vocab_size: int | None = None,
