@@ -175,7 +175,7 @@ def beam_search(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> 
         if t < options.min_length:
             log_probs[:, EOS_ID] = float("-inf")
         V = log_probs.shape[-1]
-        candidates = (scores.view(n * K, 1) + log_probs).view(n, K * V)
+        candidates = log_probs.add_(scores.view(n * K, 1)).view(n, K * V)  # in place: log_probs is not needed after
         top_scores, top_index = topk(candidates, 2 * K)  # (n, 2K): at most K of them end in EOS
         top_beam, top_token = top_index // V, top_index % V
         is_eos = top_token == EOS_ID
