@@ -48,8 +48,8 @@ def test_all_mistakes_are_reported_together(tmp_path):
     assert f"{bad}: model.num_head: unknown key; did you mean 'num_heads'?" in lines
     assert f"{bad}: train.schedule: must be one of 'noam', 'inverse_sqrt', 'cosine', 'constant', got 'cosin'; did you mean 'cosine'?" in lines
     # the type errors stop before value checks, then values are checked once types are right
-    bad.write_text("model:\n  d_model: 500\n  word_dropout: -0.1\ndata:\n  bpe_dropout: 1\ntrain:\n  lr: -1\n  rdrop: -0.5\n  ema_decay: 1\n"
-                   "decode:\n  length_penalty: -1\n")
+    bad.write_text("model:\n  d_model: 500\n  word_dropout: -0.1\ndata:\n  bpe_dropout: 1\n"
+                   "train:\n  lr: -1\n  rdrop: -0.5\n  ema_decay: 1\ndecode:\n  length_penalty: -1\n")
     with pytest.raises(ConfigError) as info:
         load_config(bad)
     lines = str(info.value).splitlines()

@@ -151,7 +151,8 @@ def test_beams_sharing_their_sentences_memory_equal_a_memory_row_per_beam(model)
         grouped.select(rows)
         flat.select(rows)
         step = torch.randint(4, VOCAB, (rows.numel(), 1))
-        torch.testing.assert_close(model.decode(step, encoded, grouped).hidden, model.decode(step, repeated, flat).hidden)
+        torch.testing.assert_close(model.decode(step, encoded, grouped).hidden,
+                                   model.decode(step, repeated, flat).hidden)
 
 
 @pytest.mark.parametrize("vocab", [8000, 37000, 24, 100, 7])

@@ -142,7 +142,8 @@ def test_resuming_gives_the_same_weights_as_training_straight_through(tmp_path):
     assert straight.keys() == resumed.keys()
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
-    ema = [load_file(str(run / "checkpoints" / "ema" / "model.safetensors")) for run in (tmp_path / "straight", run_dir)]
+    ema = [load_file(str(run / "checkpoints" / "ema" / "model.safetensors"))
+           for run in (tmp_path / "straight", run_dir)]
     assert all(torch.equal(ema[0][name], ema[1][name]) for name in straight)  # the average resumes too
     assert not all(torch.equal(ema[0][name], straight[name]) for name in straight)
     assert load_run(run_dir / "checkpoints" / "ema").weights.parent.name == "ema"  # eval and generate take it

@@ -4,7 +4,7 @@ counterpart of averaging saved checkpoints (``tformer average``):
     shadow <- decay_t * shadow + (1 - decay_t) * weights,   decay_t = min(decay, (1 + t) / (10 + t))
 
 after optimizer step t. The warm-up of decay_t keeps the random initial weights from lingering in
-the average of a short run. The shadow weights are kept in fp32 beside the model and saved as a
+the average of a short run. The shadow weights are kept beside the model and saved as a
 checkpoint of their own (``checkpoints/ema``) that eval and generate accept.
 """
 
@@ -18,25 +18,27 @@ import torch
 
 
 class WeightEMA:
-    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+    def __init__(self, model: torch.nn.Module, decay: float, updates: int = 0) -> None:
+        """Start from the model's weights as they are; ``updates`` steps already count toward the
+        warm-up of decay_t (when averaging is switched on as a run resumes)."""
         self.params = [p for p in model.parameters() if p.requires_grad]  # tied matrices appear once
-        self.shadow = [p.detach().float().clone() for p in self.params]
+        self.shadow = [p.detach().clone() for p in self.params]  # fp32, as the parameters are kept
         self.decay = decay
-        self.updates = 0
+        self.updates = updates
 
     @torch.no_grad()
     def update(self) -> None:
         """Fold in the weights after one more optimizer step."""
         self.updates += 1
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        torch._foreach_lerp_(self.shadow, [p.detach().float() for p in self.params], 1.0 - decay)
+        torch._foreach_lerp_(self.shadow, self.params, 1.0 - decay)
 
     @contextmanager
     def applied(self) -> Iterator[None]:
         """Within the block, the model holds the averaged weights (to save or evaluate them)."""
         live = [p.data for p in self.params]
         for p, s in zip(self.params, self.shadow):
-            p.data = s.to(p.dtype)
+            p.data = s
         try:
             yield
         finally:
@@ -44,7 +46,7 @@ class WeightEMA:
                 p.data = data
 
     def state_dict(self) -> dict[str, Any]:
-        return {"decay": self.decay, "updates": self.updates, "shadow": self.shadow}
+        return {"updates": self.updates, "shadow": self.shadow}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["shadow"]) != len(self.shadow):

@@ -25,9 +25,9 @@ from tformer_cli.errors import CheckpointError, DataError, UsageError
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.runtime import (
-    CHECKPOINTS, WEIGHTS, append_jsonl, autocast, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint,
-    save_run_files, save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints,
-    tune_allocator)
+    CHECKPOINTS, WEIGHTS, append_jsonl, autocast, load_trainer_state, load_weights, resolve_device, rng_state,
+    save_checkpoint, save_run_files, save_weights, seed_everything, set_rng_state, slow_precision,
+    step_checkpoints, tune_allocator)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 Callback = Callable[[str, dict[str, Any]], None]
@@ -113,15 +113,14 @@ class _Setup:
         seed_everything(config.train.seed)
         self.model = build_model(config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(device)
         self.optimizer = make_optimizer(self.model, config.train, device)
-        self.state = TrainState()
-        saved = self._restore() if resume else {}
+        self.state, saved = TrainState(), {}
         if resume:
+            saved = self._restore()
             save_run_files(run_dir, config, self.vocab)  # overrides given on resume are recorded once they fit
-        self.ema = WeightEMA(self.model, config.train.ema_decay) if config.train.ema_decay else None
+        # a moving average of the weights: continued on resume, else started from the weights as they are
+        self.ema = WeightEMA(self.model, config.train.ema_decay, self.state.step) if config.train.ema_decay else None
         if self.ema is not None and "ema" in saved:
             self.ema.load_state_dict(saved["ema"])
-        elif self.ema is not None:  # a new run, or averaging switched on at resume: from the weights as they are
-            self.ema.updates = self.state.step
 
     def _restore(self) -> dict:
         checkpoints = step_checkpoints(self.run_dir)
