@@ -151,8 +151,12 @@ def test_beams_sharing_their_sentences_memory_equal_a_memory_row_per_beam(model)
         grouped.select(rows)
         flat.select(rows)
         step = torch.randint(4, VOCAB, (rows.numel(), 1))
-        torch.testing.assert_close(model.decode(step, encoded, grouped).hidden,
-                                   model.decode(step, repeated, flat).hidden)
+        a = model.decode(step, encoded, grouped, need_weights=True)
+        b = model.decode(step, repeated, flat, need_weights=True)
+        torch.testing.assert_close(a.hidden, b.hidden)
+        for wa, wb in zip(a.cross_attention, b.cross_attention):
+            assert wa.shape == wb.shape == (rows.numel(), 4, 1, src.shape[1])
+            torch.testing.assert_close(wa, wb)
 
 
 @pytest.mark.parametrize("vocab", [8000, 37000, 24, 100, 7])

@@ -217,6 +217,8 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p, need_weights, is_causal)
         out = out.transpose(1, 2).reshape(B, T, d_model)  # concatenate heads (and ungroup beams): (B, T, d_model)
+        if weights is not None and q.shape[0] != B:  # ungroup beams: (B_mem, H, n * T, S) -> (B, H, T, S)
+            weights = weights.unflatten(2, (-1, T)).transpose(1, 2).flatten(0, 1)
         return self.out_proj(out), weights
 
 
