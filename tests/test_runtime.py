@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ from tformer_cli.config import load_config
 from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.model import build_model
 from tformer_cli.runtime import (
-    average_checkpoints, choose_checkpoints, find_weights, load_weights, save_checkpoint, save_weights,
-    step_checkpoints)
+    ONEDNN_CACHE_CAPACITY, average_checkpoints, choose_checkpoints, find_weights, load_weights, save_checkpoint,
+    save_weights, step_checkpoints, widen_kernel_cache)
 from tformer_cli.train import train
 
 
@@ -92,3 +93,12 @@ def test_curves_plot_the_first_informative_score():
     assert score_to_plot(numbers) == "exact_match"
     assert score_to_plot([{"loss": 1.0, "bleu": 0.0, "chrf": 12.0}]) == "chrf"
     assert score_to_plot([{"loss": 1.0}]) is None
+
+
+def test_widen_kernel_cache_sets_capacity_unless_the_user_did(monkeypatch):
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    widen_kernel_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    widen_kernel_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
