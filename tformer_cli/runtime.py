@@ -222,8 +222,7 @@ def load_run(path: Path, device: torch.device | str = "cpu") -> LoadedRun:
     """Build the model of a run folder (or checkpoint) and load its weights, in eval mode."""
     from tformer_cli.model import build_model
 
-    tune_allocator()
-    widen_kernel_cache()
+    tune_runtime()
     run_dir, weights = find_weights(Path(path))
     config = load_run_config(run_dir)
     vocab = Vocabulary.load(run_dir)
@@ -296,6 +295,13 @@ def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
 
 
 ONEDNN_CACHE_CAPACITY = 16384
+
+
+def tune_runtime() -> None:
+    """The process-wide CPU settings that training and decoding want, applied before their first
+    step: the allocator keeps freed buffers, and oneDNN keeps a kernel for every shape it meets."""
+    tune_allocator()
+    widen_kernel_cache()
 
 
 def widen_kernel_cache() -> None:

@@ -27,7 +27,7 @@ from tformer_cli.model import build_model
 from tformer_cli.runtime import (
     CHECKPOINTS, WEIGHTS, append_jsonl, autocast, load_trainer_state, load_weights, resolve_device, rng_state,
     save_checkpoint, save_run_files, save_weights, seed_everything, set_rng_state, slow_precision,
-    step_checkpoints, tune_allocator, widen_kernel_cache)
+    step_checkpoints, tune_runtime)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 Callback = Callable[[str, dict[str, Any]], None]
@@ -190,8 +190,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
         raise UsageError("data.bpe_dropout needs a single process: each process would draw its own "
                          "segmentation and their batches would differ; set data.bpe_dropout=0")
     device = resolve_device(cfg.device)
-    tune_allocator()
-    widen_kernel_cache()
+    tune_runtime()
     setup = _Setup(config, run_dir, resume, device, notify)
     model, optimizer, state, data = setup.model, setup.optimizer, setup.state, _epoch_split(setup)
     loss_fn = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
