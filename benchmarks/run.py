@@ -149,9 +149,9 @@ def probe_memory(system_key: str, size: str, device_name: str, precision: str) -
     global PRECISION
     PRECISION = precision
     device = torch.device(device_name)
-    from tformer_cli.runtime import tune_allocator
+    from tformer_cli.runtime import tune_runtime
 
-    tune_allocator()
+    tune_runtime()
     cls = Tformer if system_key == "tformer" else PEERS[system_key]
     importlib.import_module(LIBRARIES[system_key])  # library code is loaded before the baseline
     batch = make_batch(SIZES[size], 64, 24, device)
@@ -263,9 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.probe_memory:
         print(json.dumps(probe_memory(*args.probe_memory)))
         return
-    from tformer_cli.runtime import tune_allocator
+    from tformer_cli.runtime import tune_runtime
 
-    tune_allocator()
+    tune_runtime()
     torch.manual_seed(0)
     device = torch.device(args.device)
     peers = [p for p in args.peers.split(",") if p in available_peers()]

@@ -96,7 +96,8 @@ def test_curves_plot_the_first_informative_score():
 
 
 def test_widen_kernel_cache_sets_capacity_unless_the_user_did(monkeypatch):
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # recorded, so teardown restores the variable
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     widen_kernel_cache()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
