@@ -116,8 +116,10 @@ def test_fp64_training_attention_stays_fp64():
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_bf16_decoding_on_cpu_caches_fp32_and_matches_fp32_attention(need_weights):
+def test_bf16_decoding_on_cpu_caches_bf16_only_with_native_bf16(need_weights, native_bf16, monkeypatch):
+    monkeypatch.setattr("tformer_cli.model.attention.NATIVE_BF16", native_bf16)
     keys = [torch.randn(2, 3, 1, 8) for _ in range(4)]
     q = torch.randn(2, 3, 1, 8)
     cache = KVCache()
@@ -125,7 +127,7 @@ def test_bf16_decoding_on_cpu_caches_fp32_and_matches_fp32_attention(need_weight
         for key in keys:
             k, v = cache.append(key.bfloat16(), key.bfloat16() * 2)
         out, _ = scaled_dot_product_attention(q.bfloat16(), k, v, need_weights=need_weights)
-    assert cache.kv.dtype == torch.float32 and out.dtype == torch.bfloat16
-    torch.testing.assert_close(k, torch.cat(keys, dim=2).bfloat16().float())
+    assert cache.kv.dtype == (torch.bfloat16 if native_bf16 else torch.float32) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(k.float(), torch.cat(keys, dim=2).bfloat16().float())
     expected = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(keys, dim=2) * 2)
     torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=0.05)

@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from tformer_cli.model.dropout import dropout
 from tformer_cli.model.linear import Linear
 
+NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported()  # AVX512-BF16 (AMX CPUs have it too)
+
 
 def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
     """(B, T) token ids -> (B, 1, 1, T) boolean mask, True at real (non-pad) keys."""
@@ -57,7 +59,8 @@ def scaled_dot_product_attention(
         if _fp32_on_cpu(q, k, dropout_p):
             mask = mask.float() if mask is not None and mask.is_floating_point() else mask
             with torch.autocast("cpu", enabled=False):
-                out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=is_causal)
+                out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                     is_causal=is_causal)
             return out.to(q.dtype), None
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         return out, None
@@ -75,8 +78,9 @@ def scaled_dot_product_attention(
 
 def _fp32_on_cpu(q: Tensor, k: Tensor, dropout_p: float) -> bool:
     """Whether to run torch's fused CPU kernel (taken without dropout) in fp32 on bf16/fp16 inputs. In
-    bf16 its backward is ~4x slower (training), and so is one query against keys (decoding, whose cache
-    is kept in fp32 for this). The inputs are small next to the matrix products, which stay bf16."""
+    bf16 its backward is ~4x slower (training), and so is one query against keys without native bf16
+    arithmetic (decoding, whose cache is then kept in fp32: see ``cache_dtype``). The inputs are small
+    next to the matrix products, which stay bf16."""
     return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
             and (q.requires_grad or k.dtype == torch.float32))
 
@@ -94,9 +98,12 @@ def _and_masks(mask: Tensor, causal: Tensor) -> Tensor:
 
 
 def cache_dtype(like: Tensor) -> torch.dtype:
-    """Keys and values are cached in fp32 on a CPU: torch's CPU attention kernel is ~4x slower for a
-    bf16 query against bf16 keys than in fp32, and casting the whole cache at every step costs as much."""
-    if like.device.type == "cpu" and like.dtype in (torch.bfloat16, torch.float16):
+    """Keys and values are cached in fp32 on a CPU without native bf16 arithmetic (AVX512-BF16 or AMX)
+    and for fp16: there torch's CPU attention kernel is ~4x slower for one bf16 query against bf16 keys
+    than in fp32, and casting the whole cache at every step costs as much. With native bf16 the kernel
+    is faster in bf16 (half the bytes to read), so the cache keeps the dtype of the keys."""
+    slow = (torch.float16,) if NATIVE_BF16 else (torch.bfloat16, torch.float16)
+    if like.device.type == "cpu" and like.dtype in slow:
         return torch.float32
     return like.dtype
 
