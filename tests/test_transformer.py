@@ -90,13 +90,17 @@ def test_padding_leaves_outputs_at_real_positions_unchanged(positional):
 
 @pytest.mark.parametrize("positional", POSITIONALS)
 @pytest.mark.parametrize("norm", ["post", "pre"])
-def test_cached_incremental_decoding_equals_full_recomputation(positional, norm):
+@pytest.mark.parametrize("padded", [True, False])
+def test_cached_incremental_decoding_equals_full_recomputation(positional, norm, padded):
     model = build_model(tiny_model_config(positional=positional, norm=norm), VOCAB).eval()
     src, tgt = _batch()
+    if not padded:
+        src[1, 6:] = 5
     with torch.no_grad():
         encoded = model.encode(src)
         full = model.logits(model.decode(tgt, encoded).hidden)
         cache = model.start_cache(encoded, capacity=2)  # small: forces the cache to grow
+        assert (cache.memory_mask is None) == (not padded)  # sources without padding need no mask
         steps = [model.logits(model.decode(tgt[:, t:t + 1], encoded, cache).hidden) for t in range(tgt.shape[1])]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 

@@ -46,7 +46,8 @@ class DecoderCache:
 
     def __init__(self, layers: list[DecoderLayerCache], memory_mask: Tensor, group: int = 1) -> None:
         self.layers = layers
-        self.memory_mask = memory_mask  # (B_src, 1, 1, S)
+        # (B_src, 1, 1, S), or None where no source has padding: every step then attends without a mask
+        self.memory_mask = None if bool(memory_mask.all()) else memory_mask
         self.group = group
         self.position = 0  # number of target tokens decoded so far
 
@@ -57,7 +58,8 @@ class DecoderCache:
         for layer in self.layers:
             layer.self_kv.select(index)
             layer.select_memory(sources)
-        self.memory_mask = self.memory_mask.index_select(0, sources)
+        if self.memory_mask is not None:
+            self.memory_mask = self.memory_mask.index_select(0, sources)
 
     def reorder(self, index: Tensor) -> None:
         """Reorder rows within groups that share a source, such as the beams of one sentence: their
@@ -93,7 +95,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm
 
-    def forward(self, tgt: Tensor, memory: Tensor | None, memory_mask: Tensor, rotary: RotaryEmbedding | None,
+    def forward(self, tgt: Tensor, memory: Tensor | None, memory_mask: Tensor | None, rotary: RotaryEmbedding | None,
                 slopes: Tensor | None, cache: DecoderCache | None = None, need_weights: bool = False
                 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         position = cache.position if cache is not None else 0
