@@ -27,7 +27,9 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     if x.device.type != "cpu" or p == 1.0:
         return F.dropout(x, p, training=True)
     keep, scale = keep_mask(x.shape, p, x.device)
-    return (x * keep).mul_(scale)  # autograd keeps only the boolean mask
+    # The mask's bytes read as uint8: torch multiplies by uint8 2x faster than by bool (which it first
+    # copies to float); autograd keeps only the one-byte mask
+    return (x * keep.view(torch.uint8)).mul_(scale)
 
 
 def keep_mask(shape: torch.Size, p: float, device: torch.device | str = "cpu") -> tuple[Tensor, float]:
