@@ -82,6 +82,17 @@ def test_many_rows_and_small_weights_keep_f_linear(monkeypatch):
         assert not hasattr(layer, "_packed")
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_unpacked_inference_applies_the_activation_like_training(activation):
+    layer = Linear(16, 8, activation=activation)
+    reference = {"relu": F.relu, "gelu": F.gelu}[activation]
+    x = torch.randn(linear.MAX_ROWS + 1, 16)  # too many rows to pack: F.linear, then (in place) the activation
+    with torch.inference_mode():
+        out = layer(x)
+    assert not hasattr(layer, "_packed")
+    torch.testing.assert_close(out, reference(F.linear(x, layer.weight, layer.bias)))
+
+
 @needs_packing
 def test_autocast_packs_smaller_weights_than_fp32(monkeypatch):
     monkeypatch.setattr(linear, "MIN_WEIGHT", 16 * 8 + 1)
