@@ -233,13 +233,15 @@ def print_table(records: list[dict], device: str, peak: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"tformer vs peers on {device} · {PRECISION} · matmul peak {peak / 1e9:,.0f} GFLOP/s", title_justify="left")
+    title = f"tformer vs peers on {device} · {PRECISION} · matmul peak {peak / 1e9:,.0f} GFLOP/s"
+    table = Table(title=title, title_justify="left")
     for column in ("workload", "size", "system", "median", "min–max", "unit", "MFU", "tformer / best peer"):
         table.add_column(column, justify="right" if column not in ("workload", "system", "unit", "size") else "left")
     for r in records:
         ratio = f"{r['ratio_vs_best_peer']:.2f}×" if "ratio_vs_best_peer" in r else ""
-        table.add_row(r["workload"], r["size"], r["system"], f"{r['median']:,.1f}", f"{r['min']:,.0f}–{r['max']:,.0f}",
-                      r["unit"], f"{r['mfu']:.2f}" if "mfu" in r else "", ratio)
+        spread = f"{r['min']:,.0f}–{r['max']:,.0f}"
+        table.add_row(r["workload"], r["size"], r["system"], f"{r['median']:,.1f}", spread, r["unit"],
+                      f"{r['mfu']:.2f}" if "mfu" in r else "", ratio)
     Console().print(table)
 
 
@@ -281,8 +283,8 @@ def main(argv: list[str] | None = None) -> None:
             elif workload == "memory":
                 records += run_memory(size, device, peers, args.memory_repeats)
         if workload == "data":
-            step = next((args.train_batch * 24 / r["median"] for r in records if r["workload"] == "train" and r["system"] == "tformer"
-                         and r["size"] == "small"), None)
+            step = next((args.train_batch * 24 / r["median"] for r in records
+                         if r["workload"] == "train" and r["system"] == "tformer" and r["size"] == "small"), None)
             records += run_data(step)
         print(f"done: {workload}", file=sys.stderr)
     add_ratios(records)

@@ -46,7 +46,8 @@ def test_all_mistakes_are_reported_together(tmp_path):
         load_config(bad)
     lines = str(info.value).splitlines()
     assert f"{bad}: model.num_head: unknown key; did you mean 'num_heads'?" in lines
-    assert f"{bad}: train.schedule: must be one of 'noam', 'inverse_sqrt', 'cosine', 'constant', got 'cosin'; did you mean 'cosine'?" in lines
+    choices = "'noam', 'inverse_sqrt', 'cosine', 'constant'"
+    assert f"{bad}: train.schedule: must be one of {choices}, got 'cosin'; did you mean 'cosine'?" in lines
     # the type errors stop before value checks, then values are checked once types are right
     bad.write_text("model:\n  d_model: 500\n  word_dropout: -0.1\ndata:\n  bpe_dropout: 1\n"
                    "train:\n  lr: -1\n  rdrop: -0.5\n  ema_decay: 1\ndecode:\n  length_penalty: -1\n")

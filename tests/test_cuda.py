@@ -38,7 +38,8 @@ def test_cuda_model_matches_cpu_and_cached_decoding_matches():
     assert [h.tokens for h in greedy_or_sample(gpu, src.cuda(), options)] == \
         [h.tokens for h in greedy_or_sample(cpu, src, options)]
     beam = DecodeOptions(beam_size=3, max_len_a=0, max_len_b=8)
-    assert [h[0].tokens for h in beam_search(gpu, src.cuda(), beam)] == [h[0].tokens for h in beam_search(cpu, src, beam)]
+    on_gpu, on_cpu = beam_search(gpu, src.cuda(), beam), beam_search(cpu, src, beam)
+    assert [h[0].tokens for h in on_gpu] == [h[0].tokens for h in on_cpu]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

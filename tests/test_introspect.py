@@ -101,7 +101,8 @@ def test_selection_of_layers_and_heads(setup):
 def test_terminal_heatmap_fits_the_width_and_shows_labels(setup, width, values, colour):
     model, vocab = setup
     capture = capture_attention(model, vocab, TEXTS[0], TEXTS[1])
-    console = Console(record=True, width=width, force_terminal=colour, no_color=not colour, color_system="truecolor" if colour else None)
+    console = Console(record=True, width=width, force_terminal=colour, no_color=not colour,
+                      color_system="truecolor" if colour else None)
     print_maps(select_maps(capture, "cross", "all", "all"), console, values)  # heads side by side where they fit
     text = console.export_text()
     assert all(len(line) <= width for line in text.splitlines())

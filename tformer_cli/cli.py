@@ -296,7 +296,8 @@ def inspect_attention(
 def average(
     run: RunArg,
     last: Annotated[Optional[int], typer.Option(help="Average the last N step checkpoints.")] = None,
-    best: Annotated[Optional[int], typer.Option(help="Average the N checkpoints with the best validation metric.")] = None,
+    best: Annotated[Optional[int],
+                    typer.Option(help="Average the N checkpoints with the best validation metric.")] = None,
     metric: Annotated[str, typer.Option(help="loss | bleu, for --best.")] = "loss",
     output: Annotated[Optional[Path], typer.Option(help="Folder (default RUN/checkpoints/average-last-N).")] = None,
     json_output: JsonOpt = False,

@@ -293,7 +293,8 @@ def _check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
     if origin is Literal:
         if value in args:
             return None, value
-        return f"must be one of {', '.join(map(repr, args))}, got {value!r}{_suggest(str(value), map(str, args))}", value
+        choices = ", ".join(map(repr, args))
+        return f"must be one of {choices}, got {value!r}{_suggest(str(value), map(str, args))}", value
     if origin is list:
         if not isinstance(value, (list, tuple)):
             return f"expected a list, got {value!r}", value

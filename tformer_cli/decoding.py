@@ -182,7 +182,8 @@ def beam_search(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> 
         for row, col in (is_eos[:, :K]).nonzero().tolist():  # EOS among the K best: a finished hypothesis
             beam = row * K + top_beam[row, col].item()
             score = top_scores[row, col].item()
-            finished[alive[row]].append(Hypothesis(history[beam].tolist(), score, score / _length_penalty(t + 1, alpha)))
+            normalized = score / _length_penalty(t + 1, alpha)
+            finished[alive[row]].append(Hypothesis(history[beam].tolist(), score, normalized))
         live_scores, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=-1)  # (n, K)
         origin = (top_beam.gather(1, pick) + torch.arange(n, device=device)[:, None] * K).view(-1)  # (n*K,)
         token = top_token.gather(1, pick).view(-1)

@@ -41,7 +41,8 @@ def norm_params(d: int) -> int:
 def embedding_rows(c: ModelConfig, src_vocab: int, tgt_vocab: int) -> list[tuple[str, int, int, str]]:
     d = c.d_model
     if c.share_embeddings == "all":
-        rows = [("embeddings (src = tgt = output)", src_vocab * d, 1, r"(encoder|decoder)\.embed\.embedding|output_proj")]
+        shared = r"(encoder|decoder)\.embed\.embedding|output_proj"
+        rows = [("embeddings (src = tgt = output)", src_vocab * d, 1, shared)]
     elif c.share_embeddings == "decoder":
         rows = [("source embedding", src_vocab * d, 1, r"encoder\.embed\.embedding"),
                 ("target embedding = output projection", tgt_vocab * d, 1, r"decoder\.embed\.embedding|output_proj")]

@@ -72,7 +72,8 @@ def param_table(summary: dict) -> None:
     notes.add_column(style="dim")
     notes.add_column()
     notes.add_row("paper's rule per encoder layer (4·d² + 2·d·d_ff)", f"{summary['paper_layer_params']:,}")
-    notes.add_row("training FLOPs per target token (6 × matmul weights)", human(summary["train_flops_per_token"], "FLOP"))
+    notes.add_row("training FLOPs per target token (6 × matmul weights)",
+                  human(summary["train_flops_per_token"], "FLOP"))
     notes.add_row("weights fp32 / bf16", f"{human_bytes(mem['weights_fp32'])} / {human_bytes(mem['weights_bf16'])}")
     notes.add_row("weights + grads + Adam, fp32 / bf16 mixed",
                   f"{human_bytes(mem['adam_training_fp32'])} / {human_bytes(mem['adam_training_bf16'])}")
@@ -108,13 +109,15 @@ class TrainProgress:
         warn(data["message"])
 
     def _on_start(self, data: dict[str, Any]) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
         self.start_info = data
         resumed = f", resumed at step {data['resumed_at']:,}" if data["resumed_at"] else ""
         dropped = data["dropped_long"] + data["dropped_empty"]
         err_console.print(
-            f"[bold]training[/] {data['run_dir']} on {data['device']}{resumed}: {human(data['parameters'])} parameters, "
+            f"[bold]training[/] {data['run_dir']} on {data['device']}{resumed}: "
+            f"{human(data['parameters'])} parameters, "
             f"vocabulary {data['vocab_size']:,}, {data['train_pairs']:,} training pairs "
             f"({dropped:,} dropped: {data['dropped_long']:,} too long, {data['dropped_empty']:,} empty; "
             f"{data['truncated']:,} truncated), {data['validation_pairs']:,} validation, "

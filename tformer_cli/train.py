@@ -212,7 +212,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
             batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, rank=rank, world_size=world_size)
             while state.batch_in_epoch < len(batches) and stop_reason is None:
                 # batch: grad_accum consecutive batches make one optimizer step
-                group = [collate(data, ids) for ids in batches[state.batch_in_epoch:state.batch_in_epoch + cfg.grad_accum]]
+                start = state.batch_in_epoch
+                group = [collate(data, ids) for ids in batches[start:start + cfg.grad_accum]]
                 group_tokens = sum(b.num_tokens for b in group)
                 nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
                 for batch in group:
