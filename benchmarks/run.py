@@ -5,8 +5,8 @@
     python benchmarks/run.py --device cuda                    # bf16 autocast on a GPU
     python benchmarks/run.py --precision bf16                 # bf16 autocast on a CPU with AVX-512 BF16 / AMX
 
-Systems run alternately in the same process, several timed repetitions after warm-up; the table
-gives medians, min-max and tformer's ratio to the best peer. Peers: torch's nn.Transformer (a),
+For each workload and size, the systems run alternately in one fresh process, several timed
+repetitions after warm-up; the table gives medians, min-max and tformer's ratio to the best peer. Peers: torch's nn.Transformer (a),
 Hugging Face MarianMTModel (b), x-transformers (c); install them with `pip install -e '.[bench]'`.
 """
 
@@ -123,6 +123,17 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
             record["mfu"] = record["median"] * flops / peak
         records.append(record)
     return records
+
+
+def run_speed_fresh(workload: str, size: str, args: argparse.Namespace, peers: list[str], peak: float) -> list[dict]:
+    """``run_speed`` in a fresh process: no workload runs on the heap an earlier one left behind (after
+    training at "base", greedy decoding at "small" ran 8-15 % slower for every system), so a figure does
+    not depend on which workloads ran before it."""
+    command = [sys.executable, __file__, "--probe-speed", workload, size, "--peak", repr(peak),
+               "--device", args.device, "--precision", PRECISION, "--peers", ",".join(peers),
+               "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--train-batch", str(args.train_batch)]
+    out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _status_mib(field: str) -> float:
@@ -259,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="autocast for every system (default: fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--probe-memory", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-speed", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--peak", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     global PRECISION
     PRECISION = args.precision or ("bf16" if args.device == "cuda" else "fp32")
@@ -271,6 +284,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     device = torch.device(args.device)
     peers = [p for p in args.peers.split(",") if p in available_peers()]
+    if args.probe_speed:
+        workload, size = args.probe_speed
+        print(json.dumps(run_speed(workload, size, device, peers, args.repeats, args.warmup, args.peak,
+                                   args.train_batch)))
+        return
     missing = sorted(set(args.peers.split(",")) - set(peers))
     if missing:
         print(f"skipping peers that are not installed: {', '.join(missing)} (pip install -e '.[bench]')")
@@ -279,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     for workload in args.workloads.split(","):
         for size in args.sizes.split(","):
             if workload in ("train", "greedy", "beam"):
-                records += run_speed(workload, size, device, peers, args.repeats, args.warmup, peak, args.train_batch)
+                records += run_speed_fresh(workload, size, args, peers, peak)
             elif workload == "memory":
                 records += run_memory(size, device, peers, args.memory_repeats)
         if workload == "data":

@@ -1,0 +1,28 @@
+"""The benchmark suite runs end to end (tformer against torch's nn.Transformer, the peer that needs no
+extra install) and writes the records its README table is built from."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
+
+
+def test_one_run_writes_medians_and_the_ratio_to_the_peer(tmp_path):
+    out = tmp_path / "results.json"
+    subprocess.run([sys.executable, str(RUN), "--workloads", "train,greedy", "--sizes", "small", "--peers", "torch",
+                    "--repeats", "1", "--warmup", "0", "--json", str(out)], check=True, capture_output=True)
+    results = json.loads(out.read_text())
+    assert results["meta"]["precision"] == "fp32" and results["meta"]["matmul_peak_flops"] > 0
+    records = {(r["workload"], r["system"]): r for r in results["records"]}
+    assert {("train", "tformer"), ("train", "torch nn.Transformer"), ("train", "torch nn.Transformer +fused AdamW"),
+            ("greedy", "tformer"), ("greedy", "torch nn.Transformer")} == set(records)
+    for workload in ("train", "greedy"):
+        ours = records[(workload, "tformer")]
+        best = max(r["median"] for (w, system), r in records.items() if w == workload and system != "tformer")
+        assert ours["min"] <= ours["median"] <= ours["max"]
+        assert ours["ratio_vs_best_peer"] == pytest.approx(ours["median"] / best)
+    assert 0 < records[("train", "tformer")]["mfu"] < 1
