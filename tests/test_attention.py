@@ -8,6 +8,8 @@ from conftest import copy_attention_into
 from tformer_cli.model.attention import (
     KVCache, MultiHeadAttention, causal_mask, padding_mask, scaled_dot_product_attention)
 
+SDPA = F.scaled_dot_product_attention  # torch's, kept before any test patches it
+
 
 @pytest.mark.parametrize("shape", [(2, 4, 5, 8), (1, 1, 7, 16), (3, 2, 1, 4)])
 @pytest.mark.parametrize("masked", ["none", "padding", "causal"])
@@ -131,3 +133,16 @@ def test_bf16_decoding_on_cpu_caches_bf16_only_with_native_bf16(need_weights, na
     torch.testing.assert_close(k.float(), torch.cat(keys, dim=2).bfloat16().float())
     expected = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(keys, dim=2) * 2)
     torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=0.05)
+
+
+def test_one_bf16_query_runs_on_one_thread_and_restores_the_thread_count(monkeypatch):
+    q, k, v = (torch.randn(3, 2, n, 8).bfloat16() for n in (1, 5, 5))
+    seen = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: seen.append(torch.get_num_threads()) or SDPA(*args, **kwargs))
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        out, _ = scaled_dot_product_attention(q, k, v)
+        scaled_dot_product_attention(torch.randn(3, 2, 2, 8).bfloat16(), k, v)  # two queries: every thread
+    assert seen == [1, threads] and torch.get_num_threads() == threads
+    torch.testing.assert_close(out.float(), SDPA(q.float(), k.float(), v.float()), atol=2e-2, rtol=2e-2)

@@ -7,6 +7,7 @@ Masks are boolean and broadcast to (B, H, T_q, T_k); True means "may attend", th
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,8 @@ def scaled_dot_product_attention(
                 out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                      is_causal=is_causal)
             return out.to(q.dtype), None
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        with _one_thread() if _one_bf16_query_on_cpu(q, k) else nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         return out, None
 
     k, v = k.to(q.dtype), v.to(q.dtype)  # a CPU cache keeps fp32 (see cache_dtype)
@@ -83,6 +85,25 @@ def _fp32_on_cpu(q: Tensor, k: Tensor, dropout_p: float) -> bool:
     next to the matrix products, which stay bf16."""
     return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
             and (q.requires_grad or k.dtype == torch.float32))
+
+
+def _one_bf16_query_on_cpu(q: Tensor, k: Tensor) -> bool:
+    """Whether this is a bf16 decoding step's one query per row, on a CPU. Torch's fused CPU kernel runs
+    it ~2x faster on one thread than on two (49 against 126 us for 64 x 4 heads and 2 keys, 95 against
+    143 us at 24), and in a whole step that was +1.8 % greedy and +2.8 % beam tokens/s on a 2-core CPU."""
+    return (q.device.type == "cpu" and q.shape[-2] == 1 and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
+            and not torch.is_grad_enabled())
+
+
+@contextmanager
+def _one_thread():
+    """Run torch's CPU kernels on one thread inside the block (torch's thread count is process-wide)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _causal_for(q: Tensor, k: Tensor) -> Tensor:
