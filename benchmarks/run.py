@@ -6,8 +6,9 @@
     python benchmarks/run.py --precision bf16                 # bf16 autocast on a CPU with AVX-512 BF16 / AMX
 
 For each workload and size, the systems run alternately in one fresh process, several timed
-repetitions after warm-up; the table gives medians, min-max and tformer's ratio to the best peer. Peers: torch's nn.Transformer (a),
-Hugging Face MarianMTModel (b), x-transformers (c); install them with `pip install -e '.[bench]'`.
+repetitions after warm-up; the table gives medians, min-max and tformer's ratio to the best peer.
+Peers: torch's nn.Transformer (a), Hugging Face MarianMTModel (b), x-transformers (c); install them
+with `pip install -e '.[bench]'`.
 """
 
 from __future__ import annotations
@@ -273,6 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe-speed", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--peak", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for flag, given, known in (("--workloads", args.workloads, WORKLOADS), ("--sizes", args.sizes, SIZES)):
+        unknown = sorted(set(given.split(",")) - set(known))
+        if unknown:
+            parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     global PRECISION
     PRECISION = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     if args.probe_memory:

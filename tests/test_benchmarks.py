@@ -26,3 +26,11 @@ def test_one_run_writes_medians_and_the_ratio_to_the_peer(tmp_path):
         assert ours["min"] <= ours["median"] <= ours["max"]
         assert ours["ratio_vs_best_peer"] == pytest.approx(ours["median"] / best)
     assert 0 < records[("train", "tformer")]["mfu"] < 1
+
+
+def test_an_unknown_workload_or_size_is_a_one_line_error():
+    result = subprocess.run([sys.executable, str(RUN), "--workloads", "train,infer", "--sizes", "small"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("--workloads: unknown infer; choose from train, greedy, "
+                                                            "beam, memory, data")

@@ -16,7 +16,9 @@ from torch import Tensor, nn
 from tformer_cli.model.dropout import dropout
 from tformer_cli.model.linear import Linear
 
-NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported()  # AVX512-BF16 (AMX CPUs have it too)
+# AVX512-BF16 (AMX CPUs have it too). Not runtime.native_on_cpu: oneDNN reports bf16 on any AVX-512 CPU,
+# where its matrix products emulate it, but torch's attention kernel is fast in bf16 only with these instructions.
+NATIVE_BF16 = torch.cpu._is_avx512_bf16_supported()
 
 
 def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
@@ -67,7 +69,7 @@ def scaled_dot_product_attention(
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         return out, None
 
-    k, v = k.to(q.dtype), v.to(q.dtype)  # a CPU cache keeps fp32 (see cache_dtype)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a CPU cache may keep fp32 (see cache_dtype)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T_q, T_k)
     if is_causal:
         mask = _causal_for(q, k) if mask is None else _and_masks(mask, _causal_for(q, k))
@@ -90,7 +92,7 @@ def _fp32_on_cpu(q: Tensor, k: Tensor, dropout_p: float) -> bool:
 def _one_bf16_query_on_cpu(q: Tensor, k: Tensor) -> bool:
     """Whether this is a bf16 decoding step's one query per row, on a CPU. Torch's fused CPU kernel runs
     it ~2x faster on one thread than on two (49 against 126 us for 64 x 4 heads and 2 keys, 95 against
-    143 us at 24), and in a whole step that was +1.8 % greedy and +2.8 % beam tokens/s on a 2-core CPU."""
+    143 us at 24), and in a whole step that was +2.4 % greedy and +2.2 % beam tokens/s on a 2-core CPU."""
     return (q.device.type == "cpu" and q.shape[-2] == 1 and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
             and not torch.is_grad_enabled())
 
