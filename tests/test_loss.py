@@ -72,3 +72,29 @@ def test_rdrop_of_identical_passes_is_the_plain_loss():
     plain = linear_smoothed_cross_entropy(hidden, weight, target, 0.1)
     doubled = linear_smoothed_cross_entropy(torch.cat([hidden, hidden]), weight, target, 0.1, rdrop=3.0)
     torch.testing.assert_close(doubled, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_log_softmax_is_written_over_the_logits(dtype):
+    logits = torch.randn(37, 5003, dtype=dtype) * 4  # rows longer than any vector block, and odd
+    expected = F.log_softmax(logits, dim=-1)
+    out = loss_module._log_softmax_(logits)
+    assert out.data_ptr() == logits.data_ptr()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_under_bf16_autocast_the_loss_and_gradients_stay_near_fp32():
+    hidden = torch.randn(40, 32, requires_grad=True)
+    weight = torch.randn(300, 32, requires_grad=True)
+    target = torch.randint(0, 300, (40,))
+    expected, _ = linear_smoothed_cross_entropy(hidden, weight, target, 0.1)
+    expected.backward()
+    reference = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = linear_smoothed_cross_entropy(hidden, weight, target, 0.1)
+    loss.backward()
+    assert loss.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=2e-2, atol=0)
+    for ours, ref in zip((hidden.grad, weight.grad), reference):
+        assert (ours - ref).norm() < 0.05 * ref.norm()
