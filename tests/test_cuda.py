@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import tiny_model_config, write_config
 from tformer_cli.config import load_config
 from tformer_cli.decoding import DecodeOptions, beam_search, greedy_or_sample
+from tformer_cli.loss import _log_softmax_, linear_smoothed_cross_entropy
 from tformer_cli.model import build_model
 from tformer_cli.model.attention import padding_mask, scaled_dot_product_attention
 from tformer_cli.train import train
@@ -23,6 +25,27 @@ def test_fused_kernels_agree_with_the_explicit_path_on_cuda(dtype):
         explicit, _ = scaled_dot_product_attention(q, k, v, mask, is_causal=causal, need_weights=True)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(fast, explicit, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("columns", [700, 5003])  # rows held whole in registers / read in several passes
+def test_log_softmax_written_over_its_input_on_cuda(columns):
+    logits = torch.randn(37, columns, device="cuda") * 4
+    expected = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(_log_softmax_(logits), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_loss_on_cuda_equals_cross_entropy():
+    hidden = torch.randn(300, 64, device="cuda", requires_grad=True)
+    weight = (torch.randn(5003, 64, device="cuda") * 0.1).requires_grad_()
+    target = torch.randint(0, 5003, (300,), device="cuda")
+    loss, _ = linear_smoothed_cross_entropy(hidden, weight, target, 0.1)
+    loss.backward()
+    ours = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    expected = F.cross_entropy(hidden @ weight.T, target, label_smoothing=0.1, reduction="sum")
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-3, atol=1e-3)  # TF32 products where enabled
+    torch.testing.assert_close(ours, (hidden.grad, weight.grad), rtol=1e-3, atol=1e-3)
 
 
 def test_cuda_model_matches_cpu_and_cached_decoding_matches():
