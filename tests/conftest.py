@@ -64,13 +64,12 @@ def trained_run(tmp_path_factory, _cache):
 
 
 def copy_attention_into(ours, reference) -> None:
-    """Copy our MultiHeadAttention's weights into an nn.MultiheadAttention (fused in_proj layout)."""
+    """Copy our MultiHeadAttention's weights into an nn.MultiheadAttention (fused in_proj layout); where
+    ours has no biases, the reference's are zeroed."""
+    projections = [ours.q_proj, ours.kv_proj] if ours.cross else [ours.qkv_proj]
     with torch.no_grad():
-        if ours.cross:
-            reference.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.kv_proj.weight]))
-            reference.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.kv_proj.bias]))
-        else:
-            reference.in_proj_weight.copy_(ours.qkv_proj.weight)
-            reference.in_proj_bias.copy_(ours.qkv_proj.bias)
+        reference.in_proj_weight.copy_(torch.cat([p.weight for p in projections]))
         reference.out_proj.weight.copy_(ours.out_proj.weight)
-        reference.out_proj.bias.copy_(ours.out_proj.bias)
+        for theirs, mine in ((reference.in_proj_bias, projections), (reference.out_proj.bias, [ours.out_proj])):
+            if theirs is not None:
+                theirs.copy_(torch.cat([p.bias for p in mine]) if mine[0].bias is not None else 0.0)

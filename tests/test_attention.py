@@ -50,15 +50,16 @@ def test_causal_weights_are_zero_above_the_diagonal():
 
 
 def _copy_into_torch_mha(ours: MultiHeadAttention, d_model: int, num_heads: int) -> nn.MultiheadAttention:
-    reference = nn.MultiheadAttention(d_model, num_heads, batch_first=True)
+    reference = nn.MultiheadAttention(d_model, num_heads, batch_first=True, bias=ours.out_proj.bias is not None)
     copy_attention_into(ours, reference)
     return reference.eval()
 
 
+@pytest.mark.parametrize("bias", [False, True])  # the paper's plain projections, and with biases
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_self_attention_matches_nn_multihead_attention(need_weights):
+def test_self_attention_matches_nn_multihead_attention(need_weights, bias):
     d_model, H = 32, 4
-    ours = MultiHeadAttention(d_model, H).eval()
+    ours = MultiHeadAttention(d_model, H, bias=bias).eval()
     ref = _copy_into_torch_mha(ours, d_model, H)
     x = torch.randn(3, 7, d_model)
     tokens = torch.randint(1, 5, (3, 7))
@@ -70,9 +71,11 @@ def test_self_attention_matches_nn_multihead_attention(need_weights):
         torch.testing.assert_close(weights, expected_w, atol=1e-5, rtol=1e-5)
 
 
-def test_cross_attention_matches_nn_multihead_attention():
+@pytest.mark.parametrize("bias", [False, True])
+def test_cross_attention_matches_nn_multihead_attention(bias):
     d_model, H = 24, 3
-    ours = MultiHeadAttention(d_model, H, cross=True).eval()
+    ours = MultiHeadAttention(d_model, H, cross=True, bias=bias).eval()
+    assert (ours.q_proj.bias is not None) == (ours.kv_proj.bias is not None) == bias
     ref = _copy_into_torch_mha(ours, d_model, H)
     x, memory = torch.randn(2, 5, d_model), torch.randn(2, 9, d_model)
     out, _ = ours(x, memory=memory)

@@ -15,11 +15,13 @@ from tformer_cli.params import parameter_rows, total_params
     heads=st.integers(1, 4), head_dim=st.sampled_from([2, 4, 6]), enc=st.integers(1, 3), dec=st.integers(1, 3),
     d_ff=st.integers(1, 40), vocab=st.integers(16, 300), tgt_vocab=st.integers(16, 300),
     share=st.sampled_from(["all", "decoder", "none"]), norm=st.sampled_from(["post", "pre"]),
-    positional=st.sampled_from(["sinusoidal", "learned", "rope", "alibi"]),
+    positional=st.sampled_from(["sinusoidal", "learned", "rope", "alibi"]), bias=st.booleans(),
 )
-def test_formula_equals_the_built_model(heads, head_dim, enc, dec, d_ff, vocab, tgt_vocab, share, norm, positional):
+def test_formula_equals_the_built_model(heads, head_dim, enc, dec, d_ff, vocab, tgt_vocab, share, norm, positional,
+                                        bias):
     cfg = ModelConfig(d_model=heads * head_dim, num_heads=heads, num_encoder_layers=enc, num_decoder_layers=dec,
-                      d_ff=d_ff, share_embeddings=share, norm=norm, positional=positional, max_len=32)
+                      d_ff=d_ff, share_embeddings=share, norm=norm, positional=positional, max_len=32,
+                      attention_bias=bias)
     tgt_vocab = vocab if share == "all" else tgt_vocab
     model = build_model(cfg, vocab, tgt_vocab)
     actual = sum(p.numel() for p in model.parameters())
@@ -33,7 +35,11 @@ def test_count_params_base_is_about_63m_and_json_parses():
     result = CliRunner().invoke(app, ["count-params", "--d-model", "512", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["totals"]["model"] == data["totals"]["formula"] == 63_082_496
+    # 37,000 x 512 shared embeddings; 6 encoder layers of 4 d^2 (attention) + 2 d d_ff + d_ff + d (FFN) + 4 d
+    # (two LayerNorms); 6 decoder layers of two attentions, the same FFN and three LayerNorms
+    layer_ffn = 2 * 512 * 2048 + 2048 + 512
+    expected = 37_000 * 512 + 6 * (4 * 512**2 + layer_ffn + 4 * 512) + 6 * (8 * 512**2 + layer_ffn + 6 * 512)
+    assert data["totals"]["model"] == data["totals"]["formula"] == expected == 63_045_632
     assert data["paper_layer_params"] == 4 * 512**2 + 2 * 512 * 2048
 
 

@@ -12,8 +12,8 @@ from tformer_cli.config import load_config
 from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.model import build_model
 from tformer_cli.runtime import (
-    ONEDNN_CACHE_CAPACITY, average_checkpoints, choose_checkpoints, find_weights, load_weights, save_checkpoint,
-    save_weights, step_checkpoints, widen_kernel_cache)
+    ONEDNN_CACHE_CAPACITY, average_checkpoints, choose_checkpoints, find_weights, load_run, load_run_config,
+    load_weights, save_checkpoint, save_weights, step_checkpoints, widen_kernel_cache)
 from tformer_cli.train import train
 
 
@@ -103,3 +103,23 @@ def test_widen_kernel_cache_sets_capacity_unless_the_user_did(monkeypatch):
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     widen_kernel_cache()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+
+
+def test_a_run_saved_before_attention_bias_existed_loads_with_biases(trained_run, tmp_path):
+    import shutil
+
+    import yaml
+
+    run = shutil.copytree(trained_run, tmp_path / "old")
+    raw = yaml.safe_load((run / "config.yaml").read_text())
+    assert raw["model"].pop("attention_bias") is False  # new runs have the paper's plain projections
+    (run / "config.yaml").write_text(yaml.safe_dump(raw))
+    config = load_run_config(run)
+    assert config.model.attention_bias
+    loaded = load_run(trained_run)
+    biased = build_model(config.model, loaded.vocab.src_size, loaded.vocab.tgt_size)
+    save_weights(biased, run / "model.safetensors")
+    model = load_run(run).model
+    assert model.decoder.layers[0].cross_attn.kv_proj.bias is not None
+    for (name, ours), theirs in zip(model.state_dict().items(), biased.state_dict().values()):
+        torch.testing.assert_close(ours, theirs, msg=name)

@@ -38,6 +38,9 @@ class ModelConfig:
     # source and target input token's embedding is zeroed with this probability, before the positions are added.
     word_dropout: float = 0.0
     activation: Literal["relu", "gelu"] = "relu"
+    # Biases on the attention projections W^Q, W^K, W^V, W^O: the paper's are plain matrices (§3.2.2, as in
+    # tensor2tensor); true adds them, as nn.MultiheadAttention and Marian do. The FFN keeps its b_1, b_2.
+    attention_bias: bool = False
     norm: Literal["post", "pre"] = "post"
     positional: Literal["sinusoidal", "learned", "rope", "alibi"] = "sinusoidal"
     max_len: int = 512

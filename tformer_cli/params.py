@@ -25,9 +25,9 @@ class ParamRow:
         return self.formula == self.model
 
 
-def attention_params(d: int) -> int:
-    """W_Q, W_K, W_V, W_O (d x d each) and their biases."""
-    return 4 * d * d + 4 * d
+def attention_params(d: int, bias: bool = False) -> int:
+    """W_Q, W_K, W_V, W_O (d x d each), and their biases with ``bias``."""
+    return 4 * d * d + (4 * d if bias else 0)
 
 
 def ffn_params(d: int, d_ff: int) -> int:
@@ -63,12 +63,13 @@ def parameter_rows(c: ModelConfig, src_vocab: int, tgt_vocab: int | None = None)
 
     tgt_vocab = tgt_vocab or src_vocab
     d, n_enc, n_dec = c.d_model, c.num_encoder_layers, c.num_decoder_layers
+    attention = attention_params(d, c.attention_bias)
     spec = embedding_rows(c, src_vocab, tgt_vocab) + [
-        ("encoder self-attention", attention_params(d), n_enc, r"encoder\.layers\.\d+\.self_attn"),
+        ("encoder self-attention", attention, n_enc, r"encoder\.layers\.\d+\.self_attn"),
         ("encoder FFN", ffn_params(d, c.d_ff), n_enc, r"encoder\.layers\.\d+\.ffn"),
         ("encoder LayerNorms", 2 * norm_params(d), n_enc, r"encoder\.layers\.\d+\.norm"),
-        ("decoder masked self-attention", attention_params(d), n_dec, r"decoder\.layers\.\d+\.self_attn"),
-        ("decoder cross-attention", attention_params(d), n_dec, r"decoder\.layers\.\d+\.cross_attn"),
+        ("decoder masked self-attention", attention, n_dec, r"decoder\.layers\.\d+\.self_attn"),
+        ("decoder cross-attention", attention, n_dec, r"decoder\.layers\.\d+\.cross_attn"),
         ("decoder FFN", ffn_params(d, c.d_ff), n_dec, r"decoder\.layers\.\d+\.ffn"),
         ("decoder LayerNorms", 3 * norm_params(d), n_dec, r"decoder\.layers\.\d+\.norm"),
     ]
@@ -88,9 +89,10 @@ def total_params(c: ModelConfig, src_vocab: int, tgt_vocab: int | None = None) -
     """Closed-form total parameter count."""
     tgt_vocab = tgt_vocab or src_vocab
     d = c.d_model
+    attention, ffn = attention_params(d, c.attention_bias), ffn_params(d, c.d_ff)
     total = sum(per * n for _, per, n, _ in embedding_rows(c, src_vocab, tgt_vocab))
-    total += c.num_encoder_layers * (attention_params(d) + ffn_params(d, c.d_ff) + 2 * norm_params(d))
-    total += c.num_decoder_layers * (2 * attention_params(d) + ffn_params(d, c.d_ff) + 3 * norm_params(d))
+    total += c.num_encoder_layers * (attention + ffn + 2 * norm_params(d))
+    total += c.num_decoder_layers * (2 * attention + ffn + 3 * norm_params(d))
     if c.norm == "pre":
         total += 2 * norm_params(d)
     return total

@@ -176,7 +176,10 @@ def load_run_config(run_dir: Path) -> Config:
     if not path.is_file():
         raise CheckpointError(f"{run_dir}: not a run folder (no config.yaml); pass the folder `tformer train` wrote, "
                               "e.g. runs/demo")
-    config = config_from_dict(yaml.safe_load(path.read_text()), source=str(path))
+    raw = yaml.safe_load(path.read_text())
+    if isinstance(raw, dict) and isinstance(raw.get("model"), dict):
+        raw["model"].setdefault("attention_bias", True)  # runs saved before the option had biases
+    config = config_from_dict(raw, source=str(path))
     config.name = Path(run_dir).name
     return config
 

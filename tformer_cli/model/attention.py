@@ -182,21 +182,24 @@ class MultiHeadAttention(nn.Module):
 
     Self-attention projects Q, K and V with one fused matrix; cross-attention projects the queries
     from the decoder and K, V (fused) from the encoder output ("memory"). Heads are a batch
-    dimension: (B, T, d_model) -> (B, H, T, d_k).
+    dimension: (B, T, d_model) -> (B, H, T, d_k). The projections W^Q, W^K, W^V and W^O are matrices,
+    as in the paper (and tensor2tensor); ``bias`` adds a bias to each, as ``nn.MultiheadAttention``
+    and Marian do.
     """
 
-    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.0, cross: bool = False) -> None:
+    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.0, cross: bool = False,
+                 bias: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.d_k = d_model // num_heads
         self.dropout = dropout
         self.cross = cross
         if cross:
-            self.q_proj = Linear(d_model, d_model)
-            self.kv_proj = Linear(d_model, 2 * d_model)
+            self.q_proj = Linear(d_model, d_model, bias=bias)
+            self.kv_proj = Linear(d_model, 2 * d_model, bias=bias)
         else:
-            self.qkv_proj = Linear(d_model, 3 * d_model)
-        self.out_proj = Linear(d_model, d_model)
+            self.qkv_proj = Linear(d_model, 3 * d_model, bias=bias)
+        self.out_proj = Linear(d_model, d_model, bias=bias)
 
     def split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape

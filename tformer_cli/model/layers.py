@@ -83,9 +83,9 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1,
                  attention_dropout: float = 0.0, activation: str = "relu", norm_first: bool = False,
-                 eps: float = 1e-5) -> None:
+                 eps: float = 1e-5, attention_bias: bool = False) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, num_heads, attention_dropout)
+        self.self_attn = MultiHeadAttention(d_model, num_heads, attention_dropout, bias=attention_bias)
         self.ffn = PositionwiseFeedForward(d_model, d_ff, activation)
         self.norm1 = nn.LayerNorm(d_model, eps=eps)
         self.norm2 = nn.LayerNorm(d_model, eps=eps)
@@ -108,10 +108,10 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1,
                  attention_dropout: float = 0.0, activation: str = "relu", norm_first: bool = False,
-                 eps: float = 1e-5) -> None:
+                 eps: float = 1e-5, attention_bias: bool = False) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, num_heads, attention_dropout)
-        self.cross_attn = MultiHeadAttention(d_model, num_heads, attention_dropout, cross=True)
+        self.self_attn = MultiHeadAttention(d_model, num_heads, attention_dropout, bias=attention_bias)
+        self.cross_attn = MultiHeadAttention(d_model, num_heads, attention_dropout, cross=True, bias=attention_bias)
         self.ffn = PositionwiseFeedForward(d_model, d_ff, activation)
         self.norm1 = nn.LayerNorm(d_model, eps=eps)
         self.norm2 = nn.LayerNorm(d_model, eps=eps)

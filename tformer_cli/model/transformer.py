@@ -178,7 +178,7 @@ def build_model(config: ModelConfig, src_vocab_size: int, tgt_vocab_size: int | 
     norm_first = c.norm == "pre"
     layer_args = dict(d_model=c.d_model, num_heads=c.num_heads, d_ff=c.d_ff, dropout=c.dropout,
                       attention_dropout=c.attention_dropout, activation=c.activation, norm_first=norm_first,
-                      eps=c.layer_norm_eps)
+                      eps=c.layer_norm_eps, attention_bias=c.attention_bias)
 
     def final_norm() -> nn.Module:
         return nn.LayerNorm(c.d_model, eps=c.layer_norm_eps) if norm_first else nn.Identity()
