@@ -149,6 +149,20 @@ def test_resuming_gives_the_same_weights_as_training_straight_through(tmp_path):
     assert load_run(run_dir / "checkpoints" / "ema").weights.parent.name == "ema"  # eval and generate take it
 
 
+def test_a_run_saved_before_attention_bias_existed_resumes_with_its_biases(tmp_path):
+    import yaml
+
+    path = write_config(tmp_path / "old.yaml", model={"attention_bias": True}, train={"max_steps": 2})
+    run_dir = tmp_path / "run"
+    train(load_config(path), run_dir)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del saved["model"]["attention_bias"]  # as written before the option
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    config, _ = prepare_run(None, run_dir, ["train.max_steps=4"], None)
+    assert config.model.attention_bias
+    assert train(config, run_dir, resume=True).state.step == 4
+
+
 def test_a_write_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     import tformer_cli.runtime as runtime
 

@@ -10,6 +10,7 @@ This module must not import torch: ``tformer --help`` and config checks stay ins
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -158,8 +159,15 @@ SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "dec
 # ---------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+# What runs saved before a key existed were trained with, where it differs from the key's default: a run
+# folder's config.yaml that lacks the key gets this value, not the default.
+SAVED_RUN_DEFAULTS: dict[str, dict[str, Any]] = {"model": {"attention_bias": True}}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                saved_run: bool = False) -> Config:
     """Read a YAML config (following ``extends``), apply ``section.key=value`` overrides, validate.
+    ``saved_run``: the file is a run folder's config.yaml (keys it lacks take ``SAVED_RUN_DEFAULTS``).
 
     Raises:
         ConfigError: listing every mistake, one line each, prefixed by the file name.
@@ -169,6 +177,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         raw = _read_yaml(path, seen=())
+        if saved_run:
+            raw = _merge(copy.deepcopy(SAVED_RUN_DEFAULTS), raw)
         source = str(path)
     errors: list[str] = []
     for item in overrides or []:
@@ -176,17 +186,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     config = _build(raw, errors)
     if config is not None:
         config.name = Path(path).stem if path is not None else "config"
-        errors += validate(config)
-    if errors:
-        raise ConfigError("\n".join(f"{source}: {e}" for e in errors))
-    return config
-
-
-def config_from_dict(raw: dict[str, Any], source: str = "config") -> Config:
-    """Build and validate a Config from a plain dict (e.g. a run folder's saved config)."""
-    errors: list[str] = []
-    config = _build(dict(raw), errors)
-    if config is not None:
         errors += validate(config)
     if errors:
         raise ConfigError("\n".join(f"{source}: {e}" for e in errors))

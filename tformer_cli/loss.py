@@ -6,9 +6,9 @@ respect to the logits has a closed form,
 
     d loss / d logits = softmax(logits) - (1 - eps) * onehot(target) - eps / V,
 
-so each chunk's gradients for the hidden states and the projection matrix are computed right away
-and the logits are dropped. Backward then only scales the stored gradients: no (N, V) tensor
-outlives its chunk, and no log-softmax, gather or mean has to be differentiated.
+so each chunk's gradients for the hidden states and the projection matrix are computed right away,
+and the next chunk's logits overwrite its own in one buffer. Backward then only scales the stored
+gradients: no (N, V) tensor is ever made, and no log-softmax, gather or mean has to be differentiated.
 
 With R-Drop (Liang et al. 2021) the hidden states come from two passes of the same batch under
 different dropout masks, and the loss adds alpha times their symmetric KL divergence,
@@ -121,7 +121,7 @@ def _rdrop_logit_grad(logits: Tensor, t: Tensor, smoothing: float, alpha: float,
     The loss and NLL are the passes' mean, plus alpha times their symmetric KL divergence."""
     n, V = t.shape[0], logits.shape[1]
     t2 = torch.cat([t, t])
-    log_p = logits.sub_(logits.logsumexp(dim=-1, keepdim=True))  # (2n, V), in place
+    log_p = _log_softmax_(logits)  # (2n, V)
     nll = -log_p.gather(1, t2)
     ce = (1 - smoothing) * nll - smoothing * log_p.mean(dim=-1, keepdim=True)
     p = log_p.exp()

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
-from tformer_cli.config import Config, config_from_dict, to_yaml
+from tformer_cli.config import Config, load_config, to_yaml
 from tformer_cli.errors import CheckpointError, UsageError, first_line
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
@@ -170,16 +170,11 @@ def save_run_files(run_dir: Path, config: Config, vocab: Vocabulary) -> None:
 
 
 def load_run_config(run_dir: Path) -> Config:
-    import yaml
-
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise CheckpointError(f"{run_dir}: not a run folder (no config.yaml); pass the folder `tformer train` wrote, "
                               "e.g. runs/demo")
-    raw = yaml.safe_load(path.read_text())
-    if isinstance(raw, dict) and isinstance(raw.get("model"), dict):
-        raw["model"].setdefault("attention_bias", True)  # runs saved before the option had biases
-    config = config_from_dict(raw, source=str(path))
+    config = load_config(path, saved_run=True)
     config.name = Path(run_dir).name
     return config
 

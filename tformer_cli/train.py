@@ -148,9 +148,9 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
     if resume is not None:
         if not (Path(resume) / "config.yaml").is_file():
             raise CheckpointError(f"--resume {resume}: not a run folder (no config.yaml)")
-        config = load_config(Path(resume) / "config.yaml", overrides)
+        config = load_config(Path(resume) / "config.yaml", overrides, saved_run=True)
         if overrides:
-            _refuse_fixed_changes(load_config(Path(resume) / "config.yaml"), config)
+            _refuse_fixed_changes(load_config(Path(resume) / "config.yaml", saved_run=True), config)
         config.name = Path(resume).name
         return config, Path(resume)
     config = load_config(config_path, overrides)
