@@ -163,6 +163,17 @@ def test_a_run_saved_before_attention_bias_existed_resumes_with_its_biases(tmp_p
     assert train(config, run_dir, resume=True).state.step == 4
 
 
+def test_resuming_a_run_at_its_step_limit_trains_no_further(tmp_path):
+    path = write_config(tmp_path / "done.yaml", train={"max_steps": 3})
+    train(load_config(path), tmp_path / "run")
+    before = _weights(tmp_path / "run")
+    config, run_dir = prepare_run(None, tmp_path / "run", [], None)
+    result = train(config, run_dir, resume=True)
+    assert result.state.step == 3 and result.stop_reason == "reached train.max_steps 3"
+    assert [p.name for p in step_checkpoints(run_dir)] == ["step-00000003"]
+    assert all(torch.equal(before[name], tensor) for name, tensor in _weights(run_dir).items())
+
+
 def test_a_write_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     import tformer_cli.runtime as runtime
 

@@ -202,7 +202,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     steps_per_epoch = math.ceil(len(_batches(data, cfg.max_tokens)) / cfg.grad_accum)
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, total_steps))
-    stop_reason, last_eval = None, None
+    stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
     model.train()
