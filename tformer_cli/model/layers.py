@@ -97,8 +97,8 @@ class EncoderLayer(nn.Module):
         """x: (B, S, d_model); mask: (B, 1|H, 1|S, S). Returns (x, self-attention weights or None)."""
         h, weights = self.self_attn(self.norm1(x) if self.norm_first else x, mask=mask, rotary=rotary,
                                     need_weights=need_weights)
-        x = _residual(x, self.dropout(h), self.norm1, self.norm_first)
-        x = _residual(x, self.dropout(self.ffn(self.norm2(x) if self.norm_first else x)), self.norm2,
+        x = _residual(x, h, self.dropout, self.norm1, self.norm_first)
+        x = _residual(x, self.ffn(self.norm2(x) if self.norm_first else x), self.dropout, self.norm2,
                       self.norm_first)
         return x, weights
 
@@ -132,19 +132,21 @@ class DecoderLayer(nn.Module):
         h, self_weights = self.self_attn(
             self.norm1(x) if self.norm_first else x, mask=self_mask, is_causal=is_causal,
             cache=cache.self_kv if cache else None, rotary=rotary, position=position, need_weights=need_weights)
-        x = _residual(x, self.dropout(h), self.norm1, self.norm_first)
+        x = _residual(x, h, self.dropout, self.norm1, self.norm_first)
         h, cross_weights = self.cross_attn(
             self.norm2(x) if self.norm_first else x, memory=memory, mask=memory_mask,
             memory_kv=cache.memory_kv if cache else None, need_weights=need_weights)
-        x = _residual(x, self.dropout(h), self.norm2, self.norm_first)
-        x = _residual(x, self.dropout(self.ffn(self.norm3(x) if self.norm_first else x)), self.norm3,
+        x = _residual(x, h, self.dropout, self.norm2, self.norm_first)
+        x = _residual(x, self.ffn(self.norm3(x) if self.norm_first else x), self.dropout, self.norm3,
                       self.norm_first)
         return x, self_weights, cross_weights
 
 
-def _residual(x: Tensor, sublayer_out: Tensor, norm: nn.LayerNorm, norm_first: bool) -> Tensor:
-    """Post-LN: LayerNorm(x + sublayer); pre-LN: x + sublayer (the norm was applied to its input)."""
-    return x + sublayer_out if norm_first else norm(x + sublayer_out)
+def _residual(x: Tensor, sublayer_out: Tensor, dropout: Dropout, norm: nn.LayerNorm, norm_first: bool) -> Tensor:
+    """Post-LN: LayerNorm(x + Dropout(sublayer)); pre-LN: x + Dropout(sublayer) (the norm was applied to
+    its input)."""
+    x = dropout.residual(x, sublayer_out)
+    return x if norm_first else norm(x)
 
 
 class DecoderLayerCache:
