@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tformer_cli.model.dropout import Dropout, dropout, keep_mask, residual_dropout
+from tformer_cli.model.dropout import Dropout, dropout, keep_mask, random_words, residual_dropout
 
 
 def test_kept_elements_are_scaled_and_the_rate_is_p():
@@ -90,3 +90,26 @@ def test_residual_dropout_is_a_plain_sum_in_eval_mode():
     layer = Dropout(0.3).eval()
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     torch.testing.assert_close(layer.residual(x, y), x + y)
+
+
+def _splitmix64(state: int, n: int) -> list[int]:
+    """The reference generator (Steele, Lea and Flood 2014), in Python integers."""
+    mask, out = 2**64 - 1, []
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        out.append(z - 2**64 if z >= 2**63 else z)  # as int64
+    return out
+
+
+def test_random_words_are_splitmix64_seeded_from_torchs_generator():
+    torch.manual_seed(11)
+    seed = int(torch.empty((), dtype=torch.int64).random_(-2**63, 2**63 - 1))
+    torch.manual_seed(11)
+    words = random_words(70_000)  # more than the precomputed Weyl table, which then grows
+    reference = _splitmix64(seed % 2**64, 70_000)
+    assert words[:1000].tolist() == reference[:1000] and words[-1000:].tolist() == reference[-1000:]
+    assert random_words(8).tolist() != words[:8].tolist()  # the next call draws a new seed

@@ -1,12 +1,15 @@
 """Dropout (§5.4, "Residual Dropout") with a cheaper mask on CPU.
 
 torch's CPU dropout draws its mask with ``bernoulli_``, one call of its Mersenne Twister per element
-(``torch.rand`` is no cheaper), and keeps the mask for backward as float32. A generator call costs
-about the same whatever its width, so here each 64-bit draw gives four 16-bit lanes, and a lane
-compared with a threshold is a Bernoulli(1 - p) draw with p rounded to a multiple of 1/65536 (at least
-1/65536): the draws take a third of ``torch.rand``'s time, and the mask is kept as one byte. Measured on
-a d_model-256 batch of 1,536 tokens: 0.77 ms against 1.54 ms for comparing ``torch.rand`` with p, and
-2.2 ms for ``F.dropout``. On GPUs torch's fused kernel already does both, so it is used there.
+(``torch.rand`` is no cheaper), and keeps the mask for backward as float32. Here each 64-bit word
+gives four 16-bit lanes, and a lane compared with a threshold is a Bernoulli(1 - p) draw with p
+rounded to a multiple of 1/65536 (at least 1/65536). The words come from SplitMix64 (Steele, Lea and
+Flood 2014; the seeder of xoshiro and Java's SplittableRandom): word i is a fixed mix of seed + i * gamma,
+vectorised elementwise ops on all cores where the Mersenne Twister runs on one (0.17 against 0.30 ms
+for the 98,304 words of a d_model-256 batch of 1,536 tokens), its seed drawn from torch's generator,
+so ``torch.manual_seed`` and saved RNG states govern the masks. The mask of that batch takes 0.6 ms,
+against 1.54 ms for comparing ``torch.rand`` with p and 2.2 ms for ``F.dropout``. On GPUs torch's
+fused kernel is used.
 
 Around a sublayer the dropout feeds a residual sum, x + Dropout(y) (§5.4), which ``residual_dropout``
 makes one ``addcmul`` with a mask of the activations' dtype (a one-byte mask is first copied to float
@@ -67,12 +70,47 @@ def keep_mask(shape: torch.Size, p: float, device: torch.device | str = "cpu",
     """A mask, True (or 1) with probability 1 - p' where p' is p rounded to a multiple of 1/65536,
     and 1 / (1 - p'), the scale that keeps the expected value."""
     n = math.prod(shape)
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-2**63, 2**63 - 1)
-    lanes = words.view(torch.int16)[:n].view(shape)  # uniform over [-32768, 32767]
+    lanes = random_words((n + 3) // 4, device).view(torch.int16)[:n].view(shape)  # uniform over [-32768, 32767]
     dropped = min(max(round(p * LANES), 1), LANES - 1)  # lanes below the threshold are dropped
     keep = torch.empty(shape, dtype=dtype, device=device)
     torch.ge(lanes, dropped - LANES // 2, out=keep)
     return keep, LANES / (LANES - dropped)
+
+
+def random_words(n: int, device: torch.device | str = "cpu") -> Tensor:
+    """n uniform 64-bit words (int64): the next n outputs of SplitMix64 from a state drawn from torch's
+    generator. Output i mixes state + i * gamma by two xor-shift-multiply rounds (``_mix``)."""
+    seed = int(torch.empty((), dtype=torch.int64).random_(-2**63, 2**63 - 1))
+    return _mix(_weyl(n, torch.device(device)).add(seed))
+
+
+_WEYL: dict[torch.device, Tensor] = {}
+
+
+def _weyl(n: int, device: torch.device) -> Tensor:
+    """(1, 2, ..., n) * gamma modulo 2^64, computed once per device and grown as needed."""
+    table = _WEYL.get(device)
+    if table is None or table.numel() < n:
+        table = torch.arange(1, max(n, 2**16) + 1, dtype=torch.int64, device=device).mul_(_signed(0x9E3779B97F4A7C15))
+        _WEYL[device] = table
+    return table[:n]
+
+
+def _mix(z: Tensor) -> Tensor:
+    """SplitMix64's output function, in place on int64 words (wrapping multiplies; logical shifts)."""
+    _xor_shift_(z, 30).mul_(_signed(0xBF58476D1CE4E5B9))
+    _xor_shift_(z, 27).mul_(_signed(0x94D049BB133111EB))
+    return _xor_shift_(z, 31)
+
+
+def _xor_shift_(z: Tensor, shift: int) -> Tensor:
+    """z ^= z >> shift, with the shift logical (int64's >> is arithmetic: mask off the copied sign)."""
+    return z.bitwise_xor_((z >> shift).bitwise_and_((1 << (64 - shift)) - 1))
+
+
+def _signed(word: int) -> int:
+    """A 64-bit constant as the int64 with the same bits."""
+    return word - 2**64 if word >= 2**63 else word
 
 
 class Dropout(nn.Dropout):
