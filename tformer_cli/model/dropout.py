@@ -80,8 +80,8 @@ def keep_mask(shape: torch.Size, p: float, device: torch.device | str = "cpu",
 def random_words(n: int, device: torch.device | str = "cpu") -> Tensor:
     """n uniform 64-bit words (int64): the next n outputs of SplitMix64 from a state drawn from torch's
     generator. Output i mixes state + i * gamma by two xor-shift-multiply rounds (``_mix``)."""
-    seed = int(torch.empty((), dtype=torch.int64).random_(-2**63, 2**63 - 1))
-    return _mix(_weyl(n, torch.device(device)).add(seed))
+    seed = torch.empty((), dtype=torch.int64).random_(-2**63, 2**63 - 1)  # a tensor: no recompiles under torch.compile
+    return _mix(_weyl(n, torch.device(device)).add(seed.to(device)))
 
 
 _WEYL: dict[torch.device, Tensor] = {}
