@@ -35,8 +35,8 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     if x.device.type != "cpu" or p == 1.0:
         return F.dropout(x, p, training=True)
     keep, scale = keep_mask(x.shape, p, x.device)
-    # The mask's bytes read as uint8: torch multiplies by uint8 2x faster than by bool (which it first
-    # copies to float); autograd keeps only the one-byte mask
+    # The mask's bytes read as uint8: torch copies a uint8 or bool mask to float before multiplying, from
+    # uint8 2x faster (68 against 146 us for 64 x 24 x 256; 48 with a float mask); autograd keeps one byte
     return (x * keep.view(torch.uint8)).mul_(scale)
 
 
