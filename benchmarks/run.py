@@ -254,7 +254,10 @@ def print_table(records: list[dict], device: str, peak: float) -> None:
         spread = f"{r['min']:,.0f}–{r['max']:,.0f}"
         table.add_row(r["workload"], r["size"], r["system"], f"{r['median']:,.1f}", spread, r["unit"],
                       f"{r['mfu']:.2f}" if "mfu" in r else "", ratio)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log file or pipe: wide enough for one line a row, not Rich's default 80
+        console = Console(width=max(console.width, 140))
+    console.print(table)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ offers: ``train_step(batch)`` (forward, label-smoothed loss, backward, optimizer
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,9 @@ from torch import nn
 
 PAD, BOS, EOS = 0, 1, 2
 SMOOTHING = 0.1
+
+# nn.Transformer's inference fast path turns padded sources into nested tensors and says so at every call
+warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors", category=UserWarning)
 
 
 @dataclass(frozen=True)
@@ -207,8 +211,7 @@ class Marian(System):
         self.model.eval()
         with torch.inference_mode():
             return self.model.generate(input_ids=src, attention_mask=src != PAD, num_beams=beams, do_sample=False,
-                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True,
-                                       bad_words_ids=None, early_stopping=True)
+                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True)
 
     def greedy(self, src, new_tokens):
         return self._generate(src, new_tokens, 1)
