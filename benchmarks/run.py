@@ -255,8 +255,8 @@ def print_table(records: list[dict], device: str, peak: float) -> None:
         table.add_row(r["workload"], r["size"], r["system"], f"{r['median']:,.1f}", spread, r["unit"],
                       f"{r['mfu']:.2f}" if "mfu" in r else "", ratio)
     console = Console()
-    if not console.is_terminal:  # a log file or pipe: wide enough for one line a row, not Rich's default 80
-        console = Console(width=max(console.width, 140))
+    if not console.is_terminal:  # a log file or pipe: one line a row, not Rich's default 80 columns
+        console.width = max(console.width, 140)
     console.print(table)
 
 

@@ -19,7 +19,7 @@ from torch import nn
 PAD, BOS, EOS = 0, 1, 2
 SMOOTHING = 0.1
 
-# nn.Transformer's inference fast path turns padded sources into nested tensors and says so at every call
+# nn.Transformer's inference fast path makes nested tensors of masked sources and warns at every call
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors", category=UserWarning)
 
 
