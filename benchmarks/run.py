@@ -266,10 +266,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="small,base")
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, help="timed repetitions (default: 5 on CPU, 11 on CUDA)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--memory-repeats", type=int, default=3, help="fresh processes per memory probe")
-    parser.add_argument("--train-batch", type=int, default=64, help="sentences of 24 tokens per training step")
+    parser.add_argument("--memory-repeats", type=int,
+                        help="fresh processes per memory probe (default: 3 on CPU, 1 on CUDA, whose peak is exact)")
+    parser.add_argument("--train-batch", type=int,
+                        help="sentences of 24 tokens per training step (default: 64 on CPU, 512 on CUDA)")
     parser.add_argument("--precision", choices=["fp32", "bf16"],
                         help="autocast for every system (default: fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--json", type=Path)
@@ -277,12 +279,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe-speed", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--peak", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    on_cuda = args.device == "cuda"
+    args.repeats = args.repeats or (11 if on_cuda else 5)
+    args.memory_repeats = args.memory_repeats or (1 if on_cuda else 3)
+    args.train_batch = args.train_batch or (512 if on_cuda else 64)
     for flag, given, known in (("--workloads", args.workloads, WORKLOADS), ("--sizes", args.sizes, SIZES)):
         unknown = sorted(set(given.split(",")) - set(known))
         if unknown:
             parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     global PRECISION
-    PRECISION = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    PRECISION = args.precision or ("bf16" if on_cuda else "fp32")
     if args.probe_memory:
         print(json.dumps(probe_memory(*args.probe_memory)))
         return
