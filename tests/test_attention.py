@@ -121,10 +121,10 @@ def test_fp64_training_attention_stays_fp64():
     torch.testing.assert_close(out, expected)
 
 
-@pytest.mark.parametrize("native_bf16", [False, True])
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_bf16_decoding_on_cpu_caches_bf16_only_with_native_bf16(need_weights, native_bf16, monkeypatch):
-    monkeypatch.setattr("tformer_cli.model.attention.NATIVE_BF16", native_bf16)
+def test_bf16_decoding_on_cpu_caches_bf16_only_with_amx(need_weights, amx, monkeypatch):
+    monkeypatch.setattr("tformer_cli.model.attention.BF16_ATTENTION", amx)
     keys = [torch.randn(2, 3, 1, 8) for _ in range(4)]
     q = torch.randn(2, 3, 1, 8)
     cache = KVCache()
@@ -132,13 +132,28 @@ def test_bf16_decoding_on_cpu_caches_bf16_only_with_native_bf16(need_weights, na
         for key in keys:
             k, v = cache.append(key.bfloat16(), key.bfloat16() * 2)
         out, _ = scaled_dot_product_attention(q.bfloat16(), k, v, need_weights=need_weights)
-    assert cache.kv.dtype == (torch.bfloat16 if native_bf16 else torch.float32) and out.dtype == torch.bfloat16
+    assert cache.kv.dtype == (torch.bfloat16 if amx else torch.float32) and out.dtype == torch.bfloat16
     torch.testing.assert_close(k.float(), torch.cat(keys, dim=2).bfloat16().float())
     expected = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(keys, dim=2) * 2)
     torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=0.05)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_inference_attention_on_cpu_runs_the_kernel_in_fp32_without_amx(amx, monkeypatch):
+    monkeypatch.setattr("tformer_cli.model.attention.BF16_ATTENTION", amx)
+    seen = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, *args, **kwargs: seen.append(q.dtype) or SDPA(q, *args, **kwargs))
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    with torch.inference_mode():
+        out, _ = scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
+    assert seen == [torch.bfloat16 if amx else torch.float32] and out.dtype == torch.bfloat16
+    expected = SDPA(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), is_causal=True)
+    torch.testing.assert_close(out.float(), expected, atol=0.02, rtol=0.02)
+
+
 def test_one_bf16_query_runs_on_one_thread_and_restores_the_thread_count(monkeypatch):
+    monkeypatch.setattr("tformer_cli.model.attention.BF16_ATTENTION", True)  # bf16 keys are cached with AMX only
     q, k, v = (torch.randn(3, 2, n, 8).bfloat16() for n in (1, 5, 5))
     seen = []
     monkeypatch.setattr(F, "scaled_dot_product_attention",
