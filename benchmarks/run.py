@@ -29,6 +29,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from systems import LIBRARIES, PEERS, SIZES, Tformer, available_peers, make_batch  # noqa: E402
 
+from tformer_cli.model.linear import PACKING, PACKING_BF16  # noqa: E402
+
 WORKLOADS = ("train", "greedy", "beam", "memory", "data")
 HIGHER_IS_BETTER = {"train": True, "greedy": True, "beam": True, "memory": False, "data": True}
 MULTI30K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "multi30k"
@@ -41,7 +43,7 @@ def matmul_peak(device: torch.device, precision: str) -> float:
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     products = [lambda: a @ b]
-    if device.type == "cpu" and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if device.type == "cpu" and (PACKING_BF16 if dtype == torch.bfloat16 else PACKING):
         packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
         products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     return max(2 * n**3 / _fastest(product, device) for product in products)

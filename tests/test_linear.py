@@ -6,6 +6,7 @@ from tformer_cli.model import linear
 from tformer_cli.model.linear import Linear
 
 needs_packing = pytest.mark.skipif(not linear.PACKING, reason="torch has no oneDNN weight packing here")
+needs_bf16_packing = pytest.mark.skipif(not linear.PACKING_BF16, reason="oneDNN has no bf16 products on this CPU")
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +60,7 @@ def test_other_dtypes_keep_f_linear():
     assert not hasattr(layer, "_packed")
 
 
-@needs_packing
+@needs_bf16_packing
 def test_bf16_autocast_inference_matches_autocast_f_linear():
     layer = Linear(32, 48)
     x = torch.randn(6, 32)
@@ -69,6 +70,17 @@ def test_bf16_autocast_inference_matches_autocast_f_linear():
     assert out.dtype == expected.dtype == torch.bfloat16
     assert layer._packed[1] == torch.bfloat16
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_autocast_keeps_f_linear_where_onednn_has_no_bf16_products(monkeypatch):
+    monkeypatch.setattr(linear, "PACKING_BF16", False)  # a CPU without AVX-512: torch's packed op would raise
+    layer = Linear(32, 48)
+    x = torch.randn(6, 32)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+        expected = F.linear(x, layer.weight, layer.bias)
+    assert not hasattr(layer, "_packed") and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)
 
 
 @needs_packing
@@ -93,7 +105,7 @@ def test_unpacked_inference_applies_the_activation_like_training(activation):
     torch.testing.assert_close(out, reference(F.linear(x, layer.weight, layer.bias)))
 
 
-@needs_packing
+@needs_bf16_packing
 def test_autocast_packs_smaller_weights_than_fp32(monkeypatch):
     monkeypatch.setattr(linear, "MIN_WEIGHT", 16 * 8 + 1)
     monkeypatch.setattr(linear, "MIN_WEIGHT_AUTOCAST", 16 * 8)
@@ -129,7 +141,7 @@ def test_train_mode_drops_the_packed_copy():
 
 @needs_packing
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("autocast", [False, pytest.param(True, marks=needs_bf16_packing)])
 def test_the_activation_is_fused_into_the_packed_call_and_matches_f_linear(activation, autocast):
     layer = Linear(32, 48, activation=activation)
     reference = {"relu": F.relu, "gelu": F.gelu}[activation]

@@ -19,6 +19,8 @@ from torch import Tensor, nn
 
 # torch's own (underscored) ops behind torch.compile's CPU weight packing; where absent, F.linear
 PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# oneDNN's bf16 products need AVX-512 (or AVX-NE-CONVERT); elsewhere torch's op raises instead
+PACKING_BF16 = PACKING and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # oneDNN builds a kernel for every new row count (~0.8 ms, then cached), so rows are padded (see
 # _padded_rows). Packing pays where reading the weight dominates: up to MAX_ROWS rows (beam search
 # over a batch of sentences; an encoder batch of thousands gained only ~10 %) and weights of
@@ -98,7 +100,7 @@ def _padded_rows(n: int) -> int:
 def _packed_dtype(x: Tensor) -> torch.dtype | None:
     """The dtype to multiply ``x`` in with a packed weight, or None to use F.linear."""
     if torch.is_autocast_enabled("cpu"):  # autocast would cast the weight again at every call
-        return torch.bfloat16 if torch.get_autocast_dtype("cpu") == torch.bfloat16 else None
+        return torch.bfloat16 if PACKING_BF16 and torch.get_autocast_dtype("cpu") == torch.bfloat16 else None
     return torch.float32 if x.dtype == torch.float32 else None
 
 
