@@ -271,17 +271,26 @@ def print_table(records: list[dict], device: str, peak: float) -> None:
     console.print(table)
 
 
+def _at_least(minimum: int):
+    """argparse type: a whole number of at least ``minimum``."""
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {minimum}")
+        return int(text)
+    return parse
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--sizes", default="small,base")
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--repeats", type=int, help="timed repetitions (default: 5 on CPU, 11 on CUDA)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--memory-repeats", type=int,
+    parser.add_argument("--repeats", type=_at_least(1), help="timed repetitions (default: 5 on CPU, 11 on CUDA)")
+    parser.add_argument("--warmup", type=_at_least(0), default=2)
+    parser.add_argument("--memory-repeats", type=_at_least(1),
                         help="fresh processes per memory probe (default: 3 on CPU, 1 on CUDA, whose peak is exact)")
-    parser.add_argument("--train-batch", type=int,
+    parser.add_argument("--train-batch", type=_at_least(1),
                         help="sentences of 24 tokens per training step (default: 64 on CPU, 512 on CUDA)")
     parser.add_argument("--precision", choices=["fp32", "bf16"],
                         help="autocast for every system (default: fp32 on CPU, bf16 on CUDA)")

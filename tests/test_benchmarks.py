@@ -34,3 +34,9 @@ def test_an_unknown_workload_or_size_is_a_one_line_error():
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith("--workloads: unknown infer; choose from train, greedy, "
                                                             "beam, memory, data")
+
+
+def test_a_count_below_one_is_a_one_line_error():
+    result = subprocess.run([sys.executable, str(RUN), "--repeats", "0"], capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("--repeats: '0' is not a whole number of at least 1")
