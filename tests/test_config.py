@@ -39,6 +39,26 @@ def test_overrides_are_typed_by_the_schema():
         load_config("configs/small.yaml", ["train.lr=fast"])
 
 
+def test_a_set_item_names_its_own_mistakes_and_reaches_into_mappings(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/small.yaml", ["train.lr=fast", "model.dmodel=8", "model.d_model=0x", "a.b.c.d=1"])
+    assert set(str(info.value).splitlines()) == {
+        "--set 'a.b.c.d=1': expected section.key=value, e.g. --set train.lr=3e-4 (or section.key.entry=value "
+        "for a mapping such as data.data_files.train)",
+        "--set model.dmodel: unknown key; did you mean 'd_model'?",
+        "--set model.d_model: expected an integer, got '0x'",
+        "--set train.lr: expected a number, got 'fast'"}
+    # a value check after the types: the file's own mistakes keep the file's name
+    bad = tmp_path / "x.yaml"
+    bad.write_text("train:\n  warmup_steps: -1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad, ["model.d_model=0"])
+    assert set(str(info.value).splitlines()) >= {"--set model.d_model: must be > 0, got 0",
+                                                 f"{bad}: train.warmup_steps: must be >= 0, got -1"}
+    cfg = load_config("configs/small.yaml", ["data.data_files.train=a.jsonl", "data.data_files.test=[b, c]"])
+    assert cfg.data.data_files == {"train": "a.jsonl", "test": ["b", "c"]}
+
+
 def test_all_mistakes_are_reported_together(tmp_path):
     bad = tmp_path / "x.yaml"
     bad.write_text("model:\n  d_model: 500\n  num_head: 3\ntrain:\n  lr: -1\n  schedule: cosin\n")

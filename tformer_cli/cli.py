@@ -375,7 +375,7 @@ def count_params(
              "model.num_decoder_layers": decoder_layers or layers, "model.norm": norm,
              "model.positional": positional, "model.max_len": max_len}
     sets = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(overrides or [])
-    cfg = load_config(config, sets)
+    cfg = load_config(config, sets, overrides_are_sets=False)
     vocab_size = cfg.data.vocab_size
     result = summary(cfg.model, vocab_size, vocab_size)
     print_json(result) if json_output else param_table(result)

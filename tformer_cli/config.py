@@ -165,9 +165,11 @@ SAVED_RUN_DEFAULTS: dict[str, dict[str, Any]] = {"model": {"attention_bias": Tru
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                saved_run: bool = False) -> Config:
+                saved_run: bool = False, overrides_are_sets: bool = True) -> Config:
     """Read a YAML config (following ``extends``), apply ``section.key=value`` overrides, validate.
     ``saved_run``: the file is a run folder's config.yaml (keys it lacks take ``SAVED_RUN_DEFAULTS``).
+    ``overrides_are_sets``: the overrides are the user's ``--set`` items, and a mistake in one is named
+    so (else a command's own options, named as the file's mistakes are).
 
     Raises:
         ConfigError: listing every mistake, one line each, prefixed by the file name.
@@ -181,14 +183,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = _merge(copy.deepcopy(SAVED_RUN_DEFAULTS), raw)
         source = str(path)
     errors: list[str] = []
-    for item in overrides or []:
-        _apply_override(raw, item, errors)
+    overridden = {_apply_override(raw, item, errors) for item in overrides or []} - {None}
+    if not overrides_are_sets:
+        overridden = set()
     config = _build(raw, errors)
     if config is not None:
         config.name = Path(path).stem if path is not None else "config"
         errors += validate(config)
     if errors:
-        raise ConfigError("\n".join(f"{source}: {e}" for e in errors))
+        raise ConfigError("\n".join(_origin(e, overridden, source) for e in errors))
     return config
 
 
@@ -230,19 +233,36 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> None:
+def _origin(error: str, overridden: set[str], source: str) -> str:
+    """The error prefixed by where the mistake is: a --set item, or else the file (or command line)."""
+    if error.startswith("--set "):
+        return error
+    return f"--set {error}" if error.split(":")[0] in overridden else f"{source}: {error}"
+
+
+def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> str | None:
+    """Set ``section.key=value`` in ``raw``, or ``section.key.entry=value`` in a mapping-valued key such
+    as ``data.data_files.train``; returns ``section.key``, or None after recording a malformed item."""
     key, sep, text = item.partition("=")
     parts = key.strip().split(".")
-    if not sep or len(parts) != 2 or not all(parts):
-        errors.append(f"--set {item!r}: expected section.key=value, e.g. --set train.lr=3e-4")
-        return
+    if not sep or len(parts) not in (2, 3) or not all(parts):
+        errors.append(f"--set {item!r}: expected section.key=value, e.g. --set train.lr=3e-4 "
+                      f"(or section.key.entry=value for a mapping such as data.data_files.train)")
+        return None
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         value = text
     section = raw.setdefault(parts[0], {})
-    if isinstance(section, dict):
+    if not isinstance(section, dict):
+        return None  # _build reports the section itself
+    if len(parts) == 3:
+        mapping = section.get(parts[1])
+        section[parts[1]] = mapping = dict(mapping) if isinstance(mapping, dict) else {}
+        mapping[parts[2]] = value
+    else:
         section[parts[1]] = value
+    return ".".join(parts[:2])
 
 
 def _suggest(name: str, options: typing.Iterable[str]) -> str:
