@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,7 +244,23 @@ def test_a_new_run_never_overwrites_an_old_one(tmp_path):
     with pytest.raises(UsageError, match="is not empty and holds no tformer run"):
         prepare_run(path, None, [], other, overwrite=True)
     assert (other / "notes.txt").read_text() == "keep me"
-    assert find_weights(tmp_path / "run") if run_dir.exists() else True
+
+
+def test_a_runs_config_finds_its_local_data_from_any_directory(tmp_path, monkeypatch):
+    files = {"train": "data/numbers/train.jsonl", "validation": ["data/numbers/validation.jsonl", "nope.jsonl"]}
+    path = write_config(tmp_path / "rel.yaml", data={"data_files": files})
+    config, _ = prepare_run(path, None, [], tmp_path / "run")
+    here = Path.cwd()
+    assert config.data.dataset == str(here / "data/numbers")
+    assert config.data.data_files == {"train": str(here / "data/numbers/train.jsonl"),
+                                      "validation": [str(here / "data/numbers/validation.jsonl"), "nope.jsonl"]}
+    config, _ = prepare_run(path, None, ["data.dataset=bentrevett/multi30k"], tmp_path / "run")
+    assert config.data.dataset == "bentrevett/multi30k"  # a hub id is not a path here
+    # a run saved with a relative path (before paths were made absolute), resumed where it is missing
+    train(load_config(write_config(tmp_path / "tiny.yaml", train={"max_steps": 1})), tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    config, _ = prepare_run(None, tmp_path / "run", [], None)
+    assert config.data.dataset == "data/numbers"  # kept as written
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -11,7 +11,7 @@ import json
 import os
 import pickle
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,19 @@ def cache_dir() -> Path:
 # ---------------------------------------------------------------------------------------------
 # Loading raw text pairs
 # ---------------------------------------------------------------------------------------------
+
+
+def absolute_paths(cfg: DataConfig) -> DataConfig:
+    """``cfg`` with the local dataset folder and data files that exist made absolute, so that a run
+    folder's config finds its data from any directory (``tformer eval runs/x`` run elsewhere); hub ids
+    and missing paths stay as written."""
+    def absolute(path: Any) -> Any:
+        if isinstance(path, list):
+            return [absolute(p) for p in path]
+        return str(Path(path).expanduser().resolve()) if isinstance(path, str) and Path(path).exists() else path
+
+    files = {split: absolute(f) for split, f in cfg.data_files.items()} if cfg.data_files else cfg.data_files
+    return replace(cfg, dataset=absolute(cfg.dataset), data_files=files)
 
 
 def load_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:

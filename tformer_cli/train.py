@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from tformer_cli.config import Config, TrainConfig
-from tformer_cli.data import EncodedSplit, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary
+from tformer_cli.data import (
+    EncodedSplit, absolute_paths, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary)
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, UsageError
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
@@ -152,8 +153,10 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
         if overrides:
             _refuse_fixed_changes(load_config(Path(resume) / "config.yaml", saved_run=True), config)
         config.name = Path(resume).name
+        config.data = absolute_paths(config.data)
         return config, Path(resume)
     config = load_config(config_path, overrides)
+    config.data = absolute_paths(config.data)  # the run's config.yaml then works from any directory
     run_dir = Path(output_dir or config.train.output_dir or Path("runs") / config.name)
     if run_dir.exists() and any(run_dir.iterdir()):
         if not (run_dir / "config.yaml").is_file():  # --overwrite deletes runs only, never other folders
