@@ -82,6 +82,9 @@ def test_average_and_plot_commands_on_a_run(tmp_path):
     assert f"keeps only {kept} step checkpoints" in too_many.output.replace("\n", " ")
     plotted = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.png")])
     assert plotted.exit_code == 0 and (tmp_path / "curves.png").stat().st_size > 1000
+    unknown = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.jpeg")])
+    assert unknown.exit_code == 1 and "use a .png, .svg or .pdf file name" in unknown.output
+    assert "Traceback" not in unknown.output and not (tmp_path / "curves.jpeg").exists()
 
 
 def test_curves_plot_the_first_informative_score():

@@ -276,8 +276,7 @@ def inspect_attention(
     from tformer_cli.render_attention import print_maps, save_image
     from tformer_cli.runtime import load_run, resolve_device
 
-    if save is not None and save.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise UsageError(f"--save {save}: use a .png, .svg or .pdf file name")
+    _check_image_name("--save", save)
     loaded = load_run(run, resolve_device(device or "auto"))
     capture = capture_attention(loaded.model, loaded.vocab, source, target)
     maps = select_maps(capture, kind, layer, head)
@@ -337,6 +336,7 @@ def plot(
     from tformer_cli.runtime import read_metrics
 
     path = output or Path(run) / "curves.png"
+    _check_image_name("--output", path)
     plot_curves(read_metrics(run), path, title=str(run))
     console.print(f"saved {path}", highlight=False)
 
@@ -379,6 +379,11 @@ def count_params(
     vocab_size = cfg.data.vocab_size
     result = summary(cfg.model, vocab_size, vocab_size)
     print_json(result) if json_output else param_table(result)
+
+
+def _check_image_name(option: str, path: Path | None) -> None:
+    if path is not None and path.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise UsageError(f"{option} {path}: use a .png, .svg or .pdf file name")
 
 
 def _chunks(lines, size: int):
