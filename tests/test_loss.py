@@ -26,11 +26,23 @@ def test_fused_loss_and_gradients_equal_cross_entropy_on_logits(smoothing, chunk
     torch.testing.assert_close(ours[1], weight.grad, rtol=1e-6, atol=1e-8)
 
 
-def test_without_gradients_only_the_loss_is_computed():
-    hidden, weight = torch.randn(7, 8), torch.randn(20, 8)
+@pytest.mark.parametrize("rdrop", [0.0, 1.0])
+def test_without_gradients_only_the_loss_is_computed(rdrop, monkeypatch):
+    # parameters that require gradients, as in validation: no_grad must still skip forming them
+    hidden = torch.randn(7, 8, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(20, 8))
     target = torch.randint(0, 20, (7,))
+
+    def fail(*args):
+        raise AssertionError("gradients formed under no_grad")
+
+    monkeypatch.setattr(loss_module, "_backpropagate", fail)
     with torch.no_grad():
+        if rdrop:
+            both, both_nll = linear_smoothed_cross_entropy(torch.cat([hidden, hidden]), weight, target, 0.0, rdrop)
         loss, nll = linear_smoothed_cross_entropy(hidden, weight, target, 0.0)
+    if rdrop:  # identical passes: no divergence
+        torch.testing.assert_close((both, both_nll), (loss, nll))
     torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.T, target, reduction="sum"))
     torch.testing.assert_close(nll, loss)
 

@@ -174,4 +174,6 @@ def linear_smoothed_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor
     Returns:
         (loss sum, differentiable; NLL sum, not differentiable; with rdrop both over N tokens).
     """
+    if not torch.is_grad_enabled():  # evaluation: autograd.Function still asks for the parameters' gradients
+        hidden, weight = hidden.detach(), weight.detach()
     return _LinearSmoothedCrossEntropy.apply(hidden, weight, target, smoothing, rdrop)
