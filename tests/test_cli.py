@@ -86,6 +86,22 @@ def test_generate_from_arguments_and_stdin_one_line_per_input(run_dir):
     assert "truncated" in piped.stderr
 
 
+def test_generate_translates_each_line_typed_at_a_terminal_and_piped_lines_in_batches(run_dir, monkeypatch):
+    import tformer_cli.cli as cli
+    import tformer_cli.decoding as decoding
+
+    batches = []
+    translate = decoding.translate
+    monkeypatch.setattr(decoding, "translate", lambda model, vocab, texts, *rest: batches.append(len(texts))
+                        or translate(model, vocab, texts, *rest))
+    lines = "seven\neight\nnine\n"
+    piped = runner.invoke(app, ["generate", str(run_dir)], input=lines)
+    assert piped.exit_code == 0 and batches == [3]
+    monkeypatch.setattr(cli, "_at_terminal", lambda stream: True)
+    typed = runner.invoke(app, ["generate", str(run_dir)], input=lines)
+    assert typed.stdout == piped.stdout and batches == [3, 1, 1, 1]
+
+
 def test_generate_json_sampling_and_nbest(run_dir):
     result = runner.invoke(app, ["generate", str(run_dir), "seven", "--json", "--nbest", "3"])
     record = json.loads(result.stdout)

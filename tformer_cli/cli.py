@@ -241,7 +241,9 @@ def generate(
                                         length_penalty=length_penalty, **limits)
     size = batch_size or loaded.config.decode.batch_size
     lines = iter(texts) if texts else (line.rstrip("\r\n") for line in sys.stdin)
-    for chunk in _chunks(lines, size if not texts else len(texts)):
+    # typed at a terminal, each line is translated when it is entered; piped, lines go in batches
+    chunk_size = len(texts) if texts else 1 if _at_terminal(sys.stdin) else size
+    for chunk in _chunks(lines, chunk_size):
         with amp:
             results = translate(loaded.model, loaded.vocab, chunk, options, size, dev)
         for result in results:
@@ -384,6 +386,10 @@ def count_params(
 def _check_image_name(option: str, path: Path | None) -> None:
     if path is not None and path.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise UsageError(f"{option} {path}: use a .png, .svg or .pdf file name")
+
+
+def _at_terminal(stream) -> bool:
+    return stream.isatty()
 
 
 def _chunks(lines, size: int):
