@@ -111,6 +111,21 @@ def test_translate_keeps_input_order_and_handles_empty_and_long_inputs(model):
     assert alone.outputs[0][1].tokens == results[3].outputs[0][1].tokens
 
 
+@pytest.mark.parametrize("options, sentences", [(DecodeOptions(), 256), (DecodeOptions(beam_size=4), 64),
+                                                 (DecodeOptions(beam_size=300), 1),
+                                                 (DecodeOptions(sample=True, nbest=3), 85)])
+def test_by_default_a_batch_holds_256_hypotheses(model, monkeypatch, options, sentences):
+    import tformer_cli.decoding as decoding
+
+    batches = []
+    monkeypatch.setattr(decoding, "decode_batch", lambda model, src, options: batches.append(src.shape[0])
+                        or [[decoding.Hypothesis([], 0.0, 0.0)]] * src.shape[0])
+    vocab = Vocabulary.train([("a b c", "a b c")], vocab_size=VOCAB, min_frequency=1)
+    translate(model, vocab, ["a b"] * 300, options)
+    assert batches[0] == sentences and sum(batches) == 300
+    assert decoding.default_batch_size(options) == sentences
+
+
 def test_sampling_nbest_draws_several_samples_per_source(model):
     src = _sources()
     options = DecodeOptions(sample=True, temperature=2.0, seed=5, nbest=4, max_len_a=0, max_len_b=8)

@@ -114,7 +114,7 @@ def train(
 
 RunArg = Annotated[Path, typer.Argument(help="Run folder (or a checkpoint folder inside it).")]
 BeamOpt = Annotated[Optional[int], typer.Option("--beam", help="Beam size; 1 is greedy (default: config).")]
-BatchOpt = Annotated[Optional[int], typer.Option(help="Sentences per batch (default: config).",
+BatchOpt = Annotated[Optional[int], typer.Option(help="Sentences per batch (default: config; else 256 / beam).",
                                                  rich_help_panel=ADVANCED)]
 AlphaOpt = Annotated[Optional[float], typer.Option(help="GNMT length penalty alpha.", rich_help_panel=ADVANCED)]
 
@@ -226,7 +226,7 @@ def generate(
     """
     import sys
 
-    from tformer_cli.decoding import DecodeOptions, translate
+    from tformer_cli.decoding import DecodeOptions, default_batch_size, translate
     from tformer_cli.render import generation_lines, warn
     from tformer_cli.runtime import load_run, resolve_device
 
@@ -239,7 +239,7 @@ def generate(
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam, sample=sample,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, nbest=nbest,
                                         length_penalty=length_penalty, **limits)
-    size = batch_size or loaded.config.decode.batch_size
+    size = batch_size or loaded.config.decode.batch_size or default_batch_size(options)
     lines = iter(texts) if texts else (line.rstrip("\r\n") for line in sys.stdin)
     # typed at a terminal, each line is translated when it is entered; piped, lines go in batches
     chunk_size = len(texts) if texts else 1 if _at_terminal(sys.stdin) else size

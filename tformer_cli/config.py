@@ -125,7 +125,7 @@ class DecodeConfig:
     length_penalty: float = 0.6  # GNMT alpha
     max_len_a: float = 1.2  # output length limit: a * source_length + b
     max_len_b: int = 10
-    batch_size: int = 64
+    batch_size: Optional[int] = None  # sentences per batch; null: 256 hypotheses (256 greedy, 64 with beam 4)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -135,7 +135,7 @@ class DecodeConfig:
 DECODE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "beam_size": (lambda v: v >= 1, ">= 1"),
     "length_penalty": (lambda v: v >= 0, ">= 0 (0: no length normalisation)"),  # beam search's early stop needs it
-    "batch_size": (lambda v: v >= 1, ">= 1"),
+    "batch_size": (lambda v: v is None or v >= 1, ">= 1 or null"),
     "temperature": (lambda v: v >= 0, ">= 0"),
     "top_k": (lambda v: v >= 0, ">= 0 (0: no limit)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),

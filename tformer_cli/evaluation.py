@@ -92,7 +92,7 @@ def validation_bleu(model: torch.nn.Module, vocab, split: EncodedSplit, decode_c
     return {key: scores[key] for key in ("bleu", "chrf", "exact_match")}
 
 
-def evaluate_run(model: torch.nn.Module, vocab, data_cfg, split: str, options, batch_size: int,
+def evaluate_run(model: torch.nn.Module, vocab, data_cfg, split: str, options, batch_size: int | None,
                  max_tokens: int, device: torch.device | str = "cpu") -> dict:
     """Teacher-forced loss and perplexity, then decoding: BLEU (cased and lowercased), chrF, exact match
     and speed, on one split. Returns the figures and the hypotheses in input order."""
