@@ -1,4 +1,5 @@
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,21 @@ def test_loss_goes_down_on_the_demo_data(tmp_path):
     for name in ("config.yaml", "tokenizer.json", "model.safetensors", "metrics.jsonl"):
         assert (run / name).is_file(), name
     assert [p.name for p in step_checkpoints(run)] == ["step-00000020", "step-00000040"]
+
+
+def test_training_tokens_per_second_leave_out_validation_and_checkpoints(tmp_path):
+    path = write_config(tmp_path / "t.yaml", train={"max_steps": 4, "log_every": 2, "eval_every": 2,
+                                                    "eval_bleu": False})
+    rates = []
+
+    def slow_validation(event, data):
+        if event == "evaluating":
+            time.sleep(1.0)  # steps of this model take ~20 ms
+        if event == "step":
+            rates.append(data["tokens_per_s"])
+
+    train(load_config(path), tmp_path / "run", callback=slow_validation)
+    assert len(rates) == 2 and rates[1] > 0.3 * rates[0]  # steps 3-4 follow the validation of step 2
 
 
 def _weights(run_dir):

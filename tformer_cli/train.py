@@ -245,12 +245,14 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 if state.step % cfg.log_every == 0:  # callback
                     _log(notify, run_dir, state, window, lr, total_steps, rank)
                 stop_reason = _stop_reason(cfg, state)
+                paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
                 if setup.valid_data is not None and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
                     last_eval = _evaluate(setup, state, notify, rank)
                     if cfg.patience and state.evals_without_improvement >= cfg.patience and not stop_reason:
                         stop_reason = f"no improvement in {cfg.patience} evaluations (early stopping)"
                 if state.step % (cfg.save_every or cfg.eval_every) == 0 or stop_reason:  # checkpoint
                     _checkpoint(setup, notify, rank)
+                window["start"] += time.perf_counter() - paused
             if state.batch_in_epoch >= len(batches):
                 state.epoch += 1
                 state.batch_in_epoch = 0
