@@ -110,8 +110,10 @@ def test_token_batches_respect_max_tokens_and_cover_every_example_once():
         assert len(batch) * max(max(src[i], tgt[i]) for i in batch) <= 200
     assert token_batches(src, tgt, 200, seed=1, epoch=0) == batches
     assert token_batches(src, tgt, 200, seed=1, epoch=1) != batches
-    shards = [token_batches(src, tgt, 200, seed=1, epoch=0, rank=r, world_size=2) for r in (0, 1)]
-    assert sorted(i for s in shards for b in s for i in b) == list(range(500))
+    for world in (2, 3, 7):  # every process gets as many batches; the epoch's last len % world wait
+        shards = [token_batches(src, tgt, 200, seed=1, epoch=0, rank=r, world_size=world) for r in range(world)]
+        assert len({len(shard) for shard in shards}) == 1
+        assert sorted(b for shard in shards for b in shard) == sorted(batches[:len(batches) // world * world])
 
 
 def test_collate_pads_and_shifts_targets():

@@ -12,6 +12,7 @@ from tformer_cli.data import Batch, token_batches
 from tformer_cli.errors import UsageError
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.model import build_model
+from tformer_cli.parallel import Workers
 from tformer_cli.runtime import find_weights, load_run, load_weights, step_checkpoints
 from tformer_cli.train import TrainState, cosine_horizon, learning_rate, prepare_run, train
 
@@ -313,4 +314,4 @@ def test_bpe_dropout_resegments_the_training_split_every_epoch(tmp_path, monkeyp
     assert start["steps_per_epoch"] == len(token_batches([len(s) for s in drawn[0].src],
                                                          [len(t) for t in drawn[0].tgt], 600))
     with pytest.raises(UsageError, match="data.bpe_dropout needs a single process"):
-        train(load_config(path), tmp_path / "ddp", rank=0, world_size=2)
+        train(load_config(path), tmp_path / "ddp", workers=Workers(0, 2))

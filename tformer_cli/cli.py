@@ -99,13 +99,20 @@ def train(
       tformer train configs/small.yaml --set data.dataset=../shared/data/multi30k --device cuda
       tformer train --resume runs/demo --set train.max_steps=4000
     """
+    from tformer_cli import parallel
     from tformer_cli.render import TrainProgress, print_json
+    from tformer_cli.runtime import resolve_device
     from tformer_cli.train import prepare_run, train as run_training
 
     sets = list(overrides or []) + ([f"train.device={device}"] if device else [])
-    cfg, run_dir = prepare_run(config, resume, sets, output_dir, overwrite)
-    result = run_training(cfg, run_dir, resume=resume is not None, callback=TrainProgress(quiet or json_output))
-    if json_output:
+    cfg, run_dir = prepare_run(config, resume, sets, output_dir, overwrite, main=parallel.launched_rank() == 0)
+    workers = parallel.join(resolve_device(cfg.train.device))  # under torchrun: one of several processes
+    try:
+        result = run_training(cfg, run_dir, resume=resume is not None, callback=TrainProgress(quiet or json_output),
+                              workers=workers)
+    finally:
+        parallel.leave()
+    if json_output and workers.main:
         print_json({"run_dir": str(run_dir), "stop_reason": result.stop_reason, "step": result.state.step,
                     "elapsed": result.state.elapsed, "last_eval": result.last_eval})
     if result.stop_reason == "interrupted":

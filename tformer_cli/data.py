@@ -258,7 +258,8 @@ def token_batches(src_lengths: list[int], tgt_lengths: list[int], max_tokens: in
 
     Examples are sorted by length (ties broken randomly per epoch) so each batch holds similar lengths
     and padding stays small; the batch order is then shuffled from (seed, epoch). With ``rank`` and
-    ``world_size``, each process takes every world_size-th batch.
+    ``world_size``, each process takes every world_size-th batch, all the same number (the last
+    len % world_size batches of the epoch's order are left out), so the processes step together.
     """
     rng = random.Random(seed * 100_003 + epoch)
     lengths = [max(s, t) for s, t in zip(src_lengths, tgt_lengths)]
@@ -276,7 +277,7 @@ def token_batches(src_lengths: list[int], tgt_lengths: list[int], max_tokens: in
         batches.append(current)
     if shuffle:
         rng.shuffle(batches)
-    return batches[rank::world_size]
+    return batches[rank:len(batches) - len(batches) % world_size:world_size]
 
 
 def collate(split: EncodedSplit, indices: list[int]) -> Batch:

@@ -1,8 +1,9 @@
 """The training loop: one explicit function, reading in order
 batch -> forward -> loss -> backward -> clip -> step -> schedule -> callback -> evaluation -> checkpoint.
 
-Progress leaves through ``callback(event, data)``; nothing here prints. Only rank 0 logs and saves,
-and batches are sharded by rank, so a DistributedDataParallel wrapper can slot in later.
+Progress leaves through ``callback(event, data)``; nothing here prints. Under ``torchrun`` several
+processes train together (``parallel.py``): batches are sharded by rank, gradients summed, and only
+rank 0 logs, validates and saves.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, UsageError
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
+from tformer_cli.parallel import Workers
 from tformer_cli.runtime import (
     CHECKPOINTS, WEIGHTS, append_jsonl, autocast, load_trainer_state, load_weights, resolve_device, rng_state,
     save_checkpoint, save_run_files, save_weights, seed_everything, set_rng_state, slow_precision,
@@ -96,32 +98,44 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
 class _Setup:
     """Model, data and optimizer for a run, new or resumed."""
 
-    def __init__(self, config: Config, run_dir: Path, resume: bool, device: torch.device, notify: Callback) -> None:
-        self.config, self.run_dir, self.device = config, run_dir, device
-        data = config.data
+    def __init__(self, config: Config, run_dir: Path, resume: bool, device: torch.device, notify: Callback,
+                 workers: Workers) -> None:
+        self.config, self.run_dir, self.device, self.workers = config, run_dir, device, workers
+        if not workers.main:
+            workers.barrier()  # rank 0 first: it learns the vocabulary and fills the caches the others read
+        self._load_data(resume, notify)
+        if workers.main:
+            workers.barrier()
+        seed_everything(config.train.seed)  # the same initial weights in every process
+        self.model = build_model(config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(device)
+        self.optimizer = make_optimizer(self.model, config.train, device)
+        self.state, saved = TrainState(), {}
         if resume:
-            self.vocab = Vocabulary.load(run_dir)
+            saved = self._restore()
+            if workers.main:  # overrides given on resume are recorded once they fit
+                save_run_files(run_dir, config, self.vocab)
+        if not workers.main:  # other dropout masks in every process
+            torch.manual_seed(config.train.seed + 1_000_003 * workers.rank + self.state.step)
+        # a moving average of the weights: continued on resume, else started from the weights as they are
+        self.ema = WeightEMA(self.model, config.train.ema_decay, self.state.step) if config.train.ema_decay else None
+        if self.ema is not None and "ema" in saved:
+            self.ema.load_state_dict(saved["ema"])
+
+    def _load_data(self, resume: bool, notify: Callback) -> None:
+        data = self.config.data
+        if resume:
+            self.vocab = Vocabulary.load(self.run_dir)
         else:
             notify("setup", {"message": "learning the BPE vocabulary"})
             self.vocab = train_or_load_vocabulary(data)
-            save_run_files(run_dir, config, self.vocab)
+            if self.workers.main:
+                save_run_files(self.run_dir, self.config, self.vocab)
         notify("setup", {"message": "tokenising"})
         self.train_data = load_encoded(data, data.train_split, self.vocab)
         if len(self.train_data) == 0:
             raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
                             "raise data.max_length or set data.long_pairs: truncate")
         self.valid_data = load_encoded(data, data.validation_split, self.vocab) if data.validation_split else None
-        seed_everything(config.train.seed)
-        self.model = build_model(config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(device)
-        self.optimizer = make_optimizer(self.model, config.train, device)
-        self.state, saved = TrainState(), {}
-        if resume:
-            saved = self._restore()
-            save_run_files(run_dir, config, self.vocab)  # overrides given on resume are recorded once they fit
-        # a moving average of the weights: continued on resume, else started from the weights as they are
-        self.ema = WeightEMA(self.model, config.train.ema_decay, self.state.step) if config.train.ema_decay else None
-        if self.ema is not None and "ema" in saved:
-            self.ema.load_state_dict(saved["ema"])
 
     def _restore(self) -> dict:
         checkpoints = step_checkpoints(self.run_dir)
@@ -136,8 +150,9 @@ class _Setup:
 
 
 def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[str], output_dir: Path | None,
-                overwrite: bool = False) -> tuple[Config, Path]:
-    """The config and run folder for a new run or a resumed one.
+                overwrite: bool = False, main: bool = True) -> tuple[Config, Path]:
+    """The config and run folder for a new run or a resumed one (checked and cleared by the ``main``
+    process only, when several train together).
 
     Raises:
         UsageError: neither or both of config and resume, or a new run would overwrite an old one.
@@ -158,7 +173,7 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
     config = load_config(config_path, overrides)
     config.data = absolute_paths(config.data)  # the run's config.yaml then works from any directory
     run_dir = Path(output_dir or config.train.output_dir or Path("runs") / config.name)
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if main and run_dir.exists() and any(run_dir.iterdir()):
         if not (run_dir / "config.yaml").is_file():  # --overwrite deletes runs only, never other folders
             raise UsageError(f"{run_dir} is not empty and holds no tformer run; pick a new or empty --output-dir")
         if not overwrite:
@@ -185,16 +200,17 @@ def _refuse_fixed_changes(saved: Config, config: Config) -> None:
 
 
 def train(config: Config, run_dir: Path, resume: bool = False, callback: Callback | None = None,
-          rank: int = 0, world_size: int = 1) -> TrainResult:
-    """Train ``config`` into ``run_dir`` (or continue the run there when ``resume``)."""
-    notify: Callback = callback if callback and rank == 0 else (lambda event, data: None)
+          workers: Workers = Workers()) -> TrainResult:
+    """Train ``config`` into ``run_dir`` (or continue the run there when ``resume``), as one of
+    ``workers`` (see ``parallel.py``; by default the only process)."""
+    notify: Callback = callback if callback and workers.main else (lambda event, data: None)
     cfg = config.train
-    if world_size > 1 and config.data.bpe_dropout:
+    if workers.size > 1 and config.data.bpe_dropout:
         raise UsageError("data.bpe_dropout needs a single process: each process would draw its own "
                          "segmentation and their batches would differ; set data.bpe_dropout=0")
     device = resolve_device(cfg.device)
     tune_runtime()
-    setup = _Setup(config, run_dir, resume, device, notify)
+    setup = _Setup(config, run_dir, resume, device, notify, workers)
     model, optimizer, state, data = setup.model, setup.optimizer, setup.state, _epoch_split(setup)
     loss_fn = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
     amp = autocast(device, cfg.precision)
@@ -202,28 +218,33 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     if slow:
         notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    steps_per_epoch = math.ceil(len(_batches(data, cfg.max_tokens)) / cfg.grad_accum)
+    steps_per_epoch = math.ceil(len(_batches(data, cfg.max_tokens, workers=workers)) / cfg.grad_accum)
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, total_steps))
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
     model.train()
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt) if rank == 0 else None
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt) if workers.main else None
     try:
         while stop_reason is None:
-            batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, rank=rank, world_size=world_size)
+            batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, workers)
             while state.batch_in_epoch < len(batches) and stop_reason is None:
                 # batch: grad_accum consecutive batches make one optimizer step
                 start = state.batch_in_epoch
                 group = [collate(data, ids) for ids in batches[start:start + cfg.grad_accum]]
                 group_tokens = sum(b.num_tokens for b in group)
+                clock = elapsed_before + time.perf_counter() - session_start
+                if workers.size > 1:  # the loss is normalised by every process's tokens; rank 0's clock rules
+                    total, clock = workers.sum(group_tokens, clock if workers.main else 0.0)
+                    group_tokens = int(total)
                 nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
                 for batch in group:
                     with amp:  # forward + loss
                         loss, nll = loss_fn(model, batch.to(device), cfg.label_smoothing, cfg.rdrop)
                     scaler.scale(loss / group_tokens).backward()  # backward
                     nll_sum += nll
+                workers.sum_gradients(model.parameters())
                 scaler.unscale_(optimizer)
                 if cfg.clip_grad_norm:  # clip
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
@@ -239,19 +260,19 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 state.step += 1
                 state.batch_in_epoch += len(group)
                 state.target_tokens += group_tokens
-                state.elapsed = elapsed_before + time.perf_counter() - session_start
+                state.elapsed = elapsed_before + time.perf_counter() - session_start if workers.size == 1 else clock
                 window["loss"] += nll_sum
                 window["tokens"] += group_tokens
                 if state.step % cfg.log_every == 0:  # callback
-                    _log(notify, run_dir, state, window, lr, total_steps, rank)
+                    _log(notify, run_dir, state, window, lr, total_steps, workers)
                 stop_reason = _stop_reason(cfg, state)
                 paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
                 if setup.valid_data is not None and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
-                    last_eval = _evaluate(setup, state, notify, rank)
+                    last_eval = _evaluate(setup, state, notify)
                     if cfg.patience and state.evals_without_improvement >= cfg.patience and not stop_reason:
                         stop_reason = f"no improvement in {cfg.patience} evaluations (early stopping)"
                 if state.step % (cfg.save_every or cfg.eval_every) == 0 or stop_reason:  # checkpoint
-                    _checkpoint(setup, notify, rank)
+                    _checkpoint(setup, notify)
                 window["start"] += time.perf_counter() - paused
             if state.batch_in_epoch >= len(batches):
                 state.epoch += 1
@@ -262,7 +283,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     except KeyboardInterrupt:
         stop_reason = "interrupted"
         optimizer.zero_grad(set_to_none=True)
-        _checkpoint(setup, notify, rank)
+        _checkpoint(setup, notify)
     finally:
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
@@ -276,10 +297,10 @@ def _epoch_split(setup: _Setup) -> EncodedSplit:
     return resegment(setup.train_data, setup.vocab, data) if data.bpe_dropout else setup.train_data
 
 
-def _batches(data: EncodedSplit, max_tokens: int, seed: int = 0, epoch: int = 0, rank: int = 0,
-             world_size: int = 1) -> list[list[int]]:
+def _batches(data: EncodedSplit, max_tokens: int, seed: int = 0, epoch: int = 0,
+             workers: Workers = Workers()) -> list[list[int]]:
     lengths = [len(s) for s in data.src], [len(t) for t in data.tgt]
-    return token_batches(*lengths, max_tokens, seed, epoch, rank=rank, world_size=world_size)
+    return token_batches(*lengths, max_tokens, seed, epoch, rank=workers.rank, world_size=workers.size)
 
 
 def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
@@ -323,49 +344,56 @@ def _stop_reason(cfg: TrainConfig, state: TrainState) -> str | None:
 
 
 def _log(notify: Callback, run_dir: Path, state: TrainState, window: dict, lr: float, total: int | None,
-         rank: int) -> None:
+         workers: Workers) -> None:
     now = time.perf_counter()
-    loss = float(window["loss"]) / max(window["tokens"], 1)  # the one host sync per log interval
+    nll_sum, = workers.sum(float(window["loss"]))  # the one host sync per log interval; window tokens: all's
+    loss = nll_sum / max(window["tokens"], 1)
     record = {"step": state.step, "epoch": state.epoch, "loss": loss, "ppl": math.exp(min(loss, 50)), "lr": lr,
               "tokens_per_s": window["tokens"] / max(now - window["start"], 1e-9), "elapsed": state.elapsed,
               "total_steps": total}
-    if rank == 0:
+    if workers.main:
         append_jsonl(run_dir / "metrics.jsonl", {"split": "train", **record})
     notify("step", record)
     window.update(loss=0.0, tokens=0, start=now)
 
 
-def _evaluate(setup: _Setup, state: TrainState, notify: Callback, rank: int) -> dict[str, Any]:
-    """Validation loss (and BLEU when configured); track the best weights and early stopping."""
-    from tformer_cli.evaluation import validation_bleu
-
-    cfg = setup.config.train
+def _evaluate(setup: _Setup, state: TrainState, notify: Callback) -> dict[str, Any]:
+    """Validation loss (and BLEU when configured), on rank 0; track the best weights and early stopping."""
+    cfg, main = setup.config.train, setup.workers.main
     notify("evaluating", {"step": state.step})
-    start = time.perf_counter()
-    result = evaluate_loss(setup.model, setup.valid_data, cfg.max_tokens, setup.device)
-    record: dict[str, Any] = {"step": state.step, "loss": result.loss, "ppl": result.perplexity}
-    if cfg.eval_bleu or cfg.best_metric == "bleu":
-        record.update(validation_bleu(setup.model, setup.vocab, setup.valid_data, setup.config.decode,
-                                      cfg.eval_max_sentences, setup.device))
-    record["seconds"] = time.perf_counter() - start
+    record = setup.workers.from_main(_validate(setup, state.step) if main else None)
     metric = -record["bleu"] if cfg.best_metric == "bleu" else record["loss"]
     improved = state.best is None or metric < state.best
     if improved:
         state.best, state.best_step, state.evals_without_improvement = metric, state.step, 0
-        if rank == 0:
+        if main:
             save_weights(setup.model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
     else:
         state.evals_without_improvement += 1
     record["best"] = improved
     state.history.append(record)
-    if rank == 0:
+    if main:
         append_jsonl(setup.run_dir / "metrics.jsonl", {"split": "validation", **record})
     notify("eval", record)
     return record
 
 
-def _checkpoint(setup: _Setup, notify: Callback, rank: int) -> None:
-    if rank != 0:
+def _validate(setup: _Setup, step: int) -> dict[str, Any]:
+    from tformer_cli.evaluation import validation_bleu
+
+    cfg = setup.config.train
+    start = time.perf_counter()
+    result = evaluate_loss(setup.model, setup.valid_data, cfg.max_tokens, setup.device)
+    record: dict[str, Any] = {"step": step, "loss": result.loss, "ppl": result.perplexity}
+    if cfg.eval_bleu or cfg.best_metric == "bleu":
+        record.update(validation_bleu(setup.model, setup.vocab, setup.valid_data, setup.config.decode,
+                                      cfg.eval_max_sentences, setup.device))
+    record["seconds"] = time.perf_counter() - start
+    return record
+
+
+def _checkpoint(setup: _Setup, notify: Callback) -> None:
+    if not setup.workers.main:
         return
     state = setup.state
     trainer_state = {"optimizer": setup.optimizer.state_dict(), "state": asdict(state), "rng": rng_state()}

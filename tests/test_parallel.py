@@ -1,0 +1,48 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from conftest import write_config
+from tformer_cli.cli import app
+from tformer_cli.runtime import step_checkpoints
+
+
+def _torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+               "-m", "tformer_cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+def test_two_processes_train_as_one_process_accumulating_two_batches(tmp_path):
+    # no dropout, and 4 steps within the first epoch (whose last odd batch two processes leave out)
+    config = write_config(tmp_path / "p.yaml", model={"dropout": 0.0}, data={"max_samples": 800},
+                          train={"max_steps": 4, "eval_every": 2, "save_every": 2, "log_every": 2})
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(one), "--quiet",
+                                      "--set", "train.grad_accum=2"])
+    assert single.exit_code == 0, single.output
+    both = _torchrun(2, "train", str(config), "--output-dir", str(two), "--quiet", "--json")
+    assert both.returncode == 0, both.stderr[-3000:]
+    summary = json.loads(both.stdout)  # rank 0 alone prints
+    assert summary["step"] == 4 and summary["stop_reason"] == "reached train.max_steps 4"
+    # every step the same gradients, so the same weights, losses and validation
+    assert [c.name for c in step_checkpoints(two)] == [c.name for c in step_checkpoints(one)]
+    for a, b in zip(step_checkpoints(one), step_checkpoints(two)):
+        ours, theirs = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+        for name in ours:
+            torch.testing.assert_close(theirs[name], ours[name], rtol=1e-5, atol=1e-6)
+    records = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (one, two)]
+    assert [r["split"] for r in records[0]] == [r["split"] for r in records[1]]
+    for a, b in zip(*records):
+        assert a["step"] == b["step"] and a.get("epoch") == b.get("epoch") in (0, None)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    # resumed by two processes, the run goes on from its last checkpoint
+    more = _torchrun(2, "train", "--resume", str(two), "--set", "train.max_steps=6", "--quiet", "--json")
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert json.loads(more.stdout)["step"] == 6
