@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -33,14 +34,14 @@ class Workers:
 
     def barrier(self) -> None:
         if self.size > 1:
-            torch.distributed.barrier()
+            dist.barrier()
 
     def sum(self, *values: float) -> list[float]:
         """Each value summed over the processes (on the CPU: no wait on a GPU)."""
         if self.size == 1:
             return list(values)
         totals = torch.tensor(values, dtype=torch.float64)
-        torch.distributed.all_reduce(totals)
+        dist.all_reduce(totals)
         return totals.tolist()
 
     def from_main(self, value: Any) -> Any:
@@ -48,7 +49,7 @@ class Workers:
         if self.size == 1:
             return value
         box = [value]
-        torch.distributed.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def sum_gradients(self, parameters) -> None:
@@ -57,7 +58,7 @@ class Workers:
             return
         grads = [p.grad for p in parameters if p.grad is not None]
         flat = torch._utils._flatten_dense_tensors(grads)
-        torch.distributed.all_reduce(flat)
+        dist.all_reduce(flat)
         for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(summed)
 
@@ -73,14 +74,16 @@ def join(device: torch.device) -> Workers:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1:
         return Workers()
-    if not torch.distributed.is_initialized():
+    if not dist.is_initialized():
         if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend)
-    return Workers(torch.distributed.get_rank(), size)
+            gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(gpu)
+            dist.init_process_group("cpu:gloo,cuda:nccl", device_id=gpu)
+        else:
+            dist.init_process_group("gloo")
+    return Workers(dist.get_rank(), size)
 
 
 def leave() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
