@@ -42,7 +42,11 @@ def test_two_processes_train_as_one_process_accumulating_two_batches(tmp_path):
     for a, b in zip(*records):
         assert a["step"] == b["step"] and a.get("epoch") == b.get("epoch") in (0, None)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-    # resumed by two processes, the run goes on from its last checkpoint
-    more = _torchrun(2, "train", "--resume", str(two), "--set", "train.max_steps=6", "--quiet", "--json")
+    # resumed by two processes, the run goes on from its last checkpoint; a time limit stops both at
+    # one step (rank 0's clock), or one would wait forever for the other's gradients
+    limit = summary["elapsed"] + 2
+    more = _torchrun(2, "train", "--resume", str(two), "--set", "train.max_steps=null", "--set",
+                     f"train.max_time={limit}", "--quiet", "--json")
     assert more.returncode == 0, more.stderr[-3000:]
-    assert json.loads(more.stdout)["step"] == 6
+    resumed = json.loads(more.stdout)
+    assert resumed["stop_reason"] == f"reached train.max_time {limit:g} s" and resumed["step"] > 4
