@@ -108,3 +108,5 @@ def test_bad_config_through_the_cli_is_one_line_per_mistake_and_exit_1(tmp_path)
     assert missing.exit_code == 1 and "config file not found" in missing.output
     debug = CliRunner().invoke(app, ["--debug", "count-params", str(bad)])
     assert isinstance(debug.exception, ConfigError)
+    device = CliRunner().invoke(app, ["train", "configs/demo.yaml", "--device", "gpu"])
+    assert device.exit_code == 1 and device.output == "error: --device gpu: expected auto, cpu or cuda\n"
