@@ -234,9 +234,9 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 start = state.batch_in_epoch
                 group = [collate(data, ids) for ids in batches[start:start + cfg.grad_accum]]
                 group_tokens = sum(b.num_tokens for b in group)
-                clock = elapsed_before + time.perf_counter() - session_start
                 if workers.size > 1:  # the loss is normalised by every process's tokens; rank 0's clock rules
-                    total, clock = workers.sum(group_tokens, clock if workers.main else 0.0)
+                    own_clock = elapsed_before + time.perf_counter() - session_start if workers.main else 0.0
+                    total, clock = workers.sum(group_tokens, own_clock)
                     group_tokens = int(total)
                 nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
                 for batch in group:
@@ -260,7 +260,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 state.step += 1
                 state.batch_in_epoch += len(group)
                 state.target_tokens += group_tokens
-                state.elapsed = elapsed_before + time.perf_counter() - session_start if workers.size == 1 else clock
+                state.elapsed = clock if workers.size > 1 else elapsed_before + time.perf_counter() - session_start
                 window["loss"] += nll_sum
                 window["tokens"] += group_tokens
                 if state.step % cfg.log_every == 0:  # callback
