@@ -98,6 +98,7 @@ def train(
       tformer train configs/demo.yaml
       tformer train configs/small.yaml --set data.dataset=../shared/data/multi30k --device cuda
       tformer train --resume runs/demo --set train.max_steps=4000
+      torchrun --standalone --nproc-per-node 4 -m tformer_cli train configs/base.yaml   [dim](4 GPUs)[/]
     """
     from tformer_cli import parallel
     from tformer_cli.render import TrainProgress, print_json
