@@ -50,3 +50,16 @@ def test_two_processes_train_as_one_process_accumulating_two_batches(tmp_path):
     assert more.returncode == 0, more.stderr[-3000:]
     resumed = json.loads(more.stdout)
     assert resumed["stop_reason"] == f"reached train.max_time {limit:g} s" and resumed["step"] > 4
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+def test_two_processes_with_dropout_resume_bit_for_bit(tmp_path):
+    config = write_config(tmp_path / "d.yaml", model={"dropout": 0.3}, data={"max_samples": 800},
+                          train={"max_steps": 4, "save_every": 2, "eval_every": 1000})
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert _torchrun(2, "train", str(config), "--output-dir", str(straight), "--quiet").returncode == 0
+    first = _torchrun(2, "train", str(config), "--output-dir", str(resumed), "--quiet", "--set", "train.max_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert _torchrun(2, "train", "--resume", str(resumed), "--set", "train.max_steps=4", "--quiet").returncode == 0
+    ours, theirs = (load_file(str(step_checkpoints(run)[-1] / "model.safetensors")) for run in (straight, resumed))
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)

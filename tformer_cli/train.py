@@ -114,8 +114,6 @@ class _Setup:
             saved = self._restore()
             if workers.main:  # overrides given on resume are recorded once they fit
                 save_run_files(run_dir, config, self.vocab)
-        if not workers.main:  # other dropout masks in every process
-            torch.manual_seed(config.train.seed + 1_000_003 * workers.rank + self.state.step)
         # a moving average of the weights: continued on resume, else started from the weights as they are
         self.ema = WeightEMA(self.model, config.train.ema_decay, self.state.step) if config.train.ema_decay else None
         if self.ema is not None and "ema" in saved:
@@ -238,6 +236,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                     own_clock = elapsed_before + time.perf_counter() - session_start if workers.main else 0.0
                     total, clock = workers.sum(group_tokens, own_clock)
                     group_tokens = int(total)
+                if not workers.main:  # dropout masks of their own, drawn so that a resumed run draws them again
+                    torch.manual_seed(cfg.seed + 1_000_003 * workers.rank + state.step)
                 nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
                 for batch in group:
                     with amp:  # forward + loss
