@@ -60,7 +60,8 @@ def test_bad_data_configs_give_clear_errors(tmp_path):
     empty.write_text("")
     with pytest.raises(DataError, match="is empty|could not read"):
         load_pairs(DataConfig(data_files={"train": str(empty)}), "train")
-    with pytest.raises(DataError, match="from the Hugging Face hub .*offline\\? point at local files"):
+    hint = "offline, or a folder elsewhere\\? point at local data: train --set data.dataset=.*eval --data-files FILE"
+    with pytest.raises(DataError, match="from the Hugging Face hub .*" + hint):
         load_pairs(DataConfig(dataset="nobody/no-such-dataset-here"), "train")
     with pytest.raises(DataError, match="data.dataset: no such folder '.*missing-folder'; check the path"):
         load_pairs(DataConfig(dataset=str(tmp_path / "missing-folder")), "train")

@@ -119,8 +119,9 @@ def _load_named(name: str, split: str):
         if local:
             raise DataError(f"could not load the dataset folder '{name}': {first_line(exc)}") from exc
         raise DataError(
-            f"could not load '{name}' from the Hugging Face hub ({type(exc).__name__}); offline? point at local "
-            f"files instead: --set data.dataset=path/to/folder, or data.data_files: {{train: train.jsonl, ...}}"
+            f"could not load '{name}' from the Hugging Face hub ({type(exc).__name__}); offline, or a folder "
+            f"elsewhere? point at local data: train --set data.dataset=path/to/folder (or data.data_files), "
+            f"eval --data-files FILE"
         ) from exc
     if split not in dataset:
         raise DataError(f"dataset '{name}' has no split '{split}' (has: {', '.join(dataset)}); "
