@@ -55,6 +55,11 @@ def test_a_set_item_names_its_own_mistakes_and_reaches_into_mappings(tmp_path):
         load_config(bad, ["model.d_model=0"])
     assert set(str(info.value).splitlines()) >= {"--set model.d_model: must be > 0, got 0",
                                                  f"{bad}: train.warmup_steps: must be >= 0, got -1"}
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/small.yaml", ["data.data_files.train=", "data.data_files.test=[]"])
+    assert set(str(info.value).splitlines()) == {
+        "--set data.data_files.train: expected a file name or a list of them, got None",
+        "--set data.data_files.test: expected a file name or a list of them, got []"}
     cfg = load_config("configs/small.yaml", ["data.data_files.train=a.jsonl", "data.data_files.test=[b, c]"])
     assert cfg.data.data_files == {"train": "a.jsonl", "test": ["b", "c"]}
 

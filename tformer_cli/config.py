@@ -237,7 +237,8 @@ def _origin(error: str, overridden: set[str], source: str) -> str:
     """The error prefixed by where the mistake is: a --set item, or else the file (or command line)."""
     if error.startswith("--set "):
         return error
-    return f"--set {error}" if error.split(":")[0] in overridden else f"{source}: {error}"
+    key = error.split(":")[0]  # e.g. data.data_files.train, from --set data.data_files=...
+    return f"--set {error}" if any(key == o or key.startswith(o + ".") for o in overridden) else f"{source}: {error}"
 
 
 def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> str | None:
@@ -374,6 +375,10 @@ def validate(config: Config) -> list[str]:
 
     need(bool(d.dataset) or bool(d.data_files), "data.dataset",
          "set data.dataset (hub id or folder) or data.data_files (split -> files)")
+    for split, files in (d.data_files or {}).items():
+        paths = files if isinstance(files, list) else [files]
+        need(bool(paths) and all(isinstance(f, str) and f for f in paths), f"data.data_files.{split}",
+             f"expected a file name or a list of them, got {files!r}")
     need(d.max_samples is None or d.max_samples > 0, "data.max_samples", f"must be > 0, got {d.max_samples}")
     need(d.max_length >= 3, "data.max_length", f"must be >= 3 (BOS, a token, EOS), got {d.max_length}")
     need(d.max_length <= m.max_len, "data.max_length",
