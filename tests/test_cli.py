@@ -102,6 +102,11 @@ def test_generate_translates_each_line_typed_at_a_terminal_and_piped_lines_in_ba
     assert typed.stdout == piped.stdout and batches == [3, 1, 1, 1]
 
 
+def test_generate_refuses_beam_search_with_sampling(run_dir):
+    result = runner.invoke(app, ["generate", str(run_dir), "seven", "--sample", "--beam", "3"])
+    assert result.exit_code == 1 and result.output.startswith("error: --beam 3 with --sample: ")
+
+
 def test_generate_json_sampling_and_nbest(run_dir):
     result = runner.invoke(app, ["generate", str(run_dir), "seven", "--json", "--nbest", "3"])
     record = json.loads(result.stdout)

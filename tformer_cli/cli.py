@@ -242,6 +242,9 @@ def generate(
 
     _check_decoding_flags(beam=beam, nbest=nbest, batch_size=batch_size, max_len=max_len, temperature=temperature,
                           top_k=top_k, top_p=top_p, length_penalty=length_penalty)
+    if sample and beam is not None and beam > 1:
+        raise UsageError(f"--beam {beam} with --sample: sampling draws each token at random, not by beam search; "
+                         "drop --beam (--nbest N draws N samples)")
     dev = resolve_device(device or "auto")
     amp = _decoding_autocast(dev, precision)
     loaded = load_run(run, dev)
