@@ -72,6 +72,8 @@ def test_eval_on_other_files(run_dir, tmp_path):
                                  "--target-field", "zahl", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["sentences"] == 2
+    missing = runner.invoke(app, ["eval", str(run_dir), "--data-files", str(tmp_path / "nope.jsonl")])
+    assert missing.exit_code == 1 and missing.output == f"error: --data-files {tmp_path / 'nope.jsonl'}: no such file\n"
 
 
 def test_generate_from_arguments_and_stdin_one_line_per_input(run_dir):

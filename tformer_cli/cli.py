@@ -161,6 +161,9 @@ def eval_command(
     from tformer_cli.runtime import load_run, resolve_device
 
     _check_decoding_flags(beam=beam, batch_size=batch_size, max_samples=max_samples, length_penalty=length_penalty)
+    for path in data_files or []:
+        if not path.is_file():
+            raise UsageError(f"--data-files {path}: no such file")
     dev = resolve_device(device or "auto")
     amp = _decoding_autocast(dev, precision)  # checked before the model is loaded
     loaded = load_run(run, dev)
