@@ -9,6 +9,7 @@ process with ``grad_accum`` N. Each step's token count (the loss is normalised b
 processes) and rank 0's clock (for ``max_time``) travel in one small all-reduce on the CPU, so the
 processes agree on when to stop without waiting on the GPU. Rank 0 alone writes the run folder and
 validates; the others receive its figures, so all agree on the best step and on early stopping.
+Ranks other than 0 draw their dropout masks from (seed, rank, step), so a resumed run draws them again.
 
 The model's own methods (``encode``, ``decode``) run the forward pass, not ``forward``, so torch's
 DistributedDataParallel, whose gradient hooks are armed by ``forward``, does not fit; the price of
