@@ -42,6 +42,16 @@ def test_two_processes_train_as_one_process_accumulating_two_batches(tmp_path):
     for a, b in zip(*records):
         assert a["step"] == b["step"] and a.get("epoch") == b.get("epoch") in (0, None)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    # two processes' first 2 steps, resumed by one process taking two batches a step: the same run
+    halfway = tmp_path / "halfway"
+    assert _torchrun(2, "train", str(config), "--output-dir", str(halfway), "--quiet",
+                     "--set", "train.max_steps=2").returncode == 0
+    alone = CliRunner().invoke(app, ["train", "--resume", str(halfway), "--quiet", "--set", "train.max_steps=4",
+                                     "--set", "train.grad_accum=2"])
+    assert alone.exit_code == 0, alone.output
+    ours, theirs = (load_file(str(step_checkpoints(run)[-1] / "model.safetensors")) for run in (two, halfway))
+    for name in ours:
+        torch.testing.assert_close(theirs[name], ours[name], rtol=1e-5, atol=1e-6)
     # resumed by two processes, the run goes on from its last checkpoint; a time limit stops both at
     # one step (rank 0's clock), or one would wait forever for the other's gradients
     limit = summary["elapsed"] + 2

@@ -42,7 +42,8 @@ class TrainState:
 
     step: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0  # position in this epoch's batch order
+    batch_in_epoch: int = 0  # position in this epoch's batch order (in each process's share of it)
+    processes: int = 1  # how many processes trained together
     target_tokens: int = 0
     elapsed: float = 0.0  # seconds of training, summed over resumed sessions
     best: float | None = None
@@ -210,6 +211,9 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     tune_runtime()
     setup = _Setup(config, run_dir, resume, device, notify, workers)
     model, optimizer, state, data = setup.model, setup.optimizer, setup.state, _epoch_split(setup)
+    if state.processes != workers.size:  # resumed by another number of processes: same place in the epoch
+        state.batch_in_epoch = math.ceil(state.batch_in_epoch * state.processes / workers.size)
+        state.processes = workers.size
     loss_fn = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
     amp = autocast(device, cfg.precision)
     slow = slow_precision(device, cfg.precision)
