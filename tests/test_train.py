@@ -7,45 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model_config, write_config
-from tformer_cli.config import TrainConfig, load_config
+from tformer_cli.config import load_config
 from tformer_cli.data import Batch, token_batches
 from tformer_cli.errors import UsageError
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.parallel import Workers
-from tformer_cli.runtime import find_weights, load_run, load_weights, step_checkpoints
-from tformer_cli.train import TrainState, cosine_horizon, learning_rate, prepare_run, train
-
-
-def test_noam_schedule_matches_the_paper():
-    cfg = TrainConfig(schedule="noam", lr=1.0, warmup_steps=4000)
-    for step in (1, 100, 4000, 10000):
-        expected = 512 ** -0.5 * min(step ** -0.5, step * 4000 ** -1.5)
-        assert math.isclose(learning_rate(step, cfg, 512), expected)
-    assert learning_rate(4000, cfg, 512) > learning_rate(3000, cfg, 512) > 0
-    assert learning_rate(4000, cfg, 512) > learning_rate(8000, cfg, 512)
-
-
-def test_other_schedules_warm_up_to_the_peak_and_decay():
-    inv = TrainConfig(schedule="inverse_sqrt", lr=1e-3, warmup_steps=100)
-    assert math.isclose(learning_rate(50, inv, 1), 5e-4) and math.isclose(learning_rate(100, inv, 1), 1e-3)
-    assert math.isclose(learning_rate(400, inv, 1), 5e-4)
-    cos = TrainConfig(schedule="cosine", lr=1e-3, warmup_steps=10, max_steps=110, min_lr=1e-5)
-    assert math.isclose(learning_rate(10, cos, 1), 1e-3) and math.isclose(learning_rate(110, cos, 1), 1e-5)
-
-
-def test_cosine_ends_at_the_first_of_max_steps_epochs_and_max_time():
-    cfg = TrainConfig(schedule="cosine", lr=1e-3, warmup_steps=10, max_steps=1000, max_time=100.0, min_lr=0.0)
-    # 60 steps in the first 50 s: at this pace max_time runs out at step 120, before max_steps
-    assert cosine_horizon(cfg, 1000, TrainState(step=60, elapsed=50.0)) == 120
-    assert math.isclose(learning_rate(65, cfg, 1, 120), 1e-3 * 0.5 * (1 + math.cos(math.pi * 55 / 110)))
-    assert learning_rate(120, cfg, 1, cosine_horizon(cfg, 1000, TrainState(step=120, elapsed=100.0))) == 0.0
-    assert cosine_horizon(cfg, 80, TrainState(step=60, elapsed=50.0)) == 80  # epochs end first
-    timed_only = TrainConfig(schedule="cosine", lr=1e-3, warmup_steps=0, max_steps=None, max_time=100.0)
-    assert cosine_horizon(timed_only, None, TrainState()) is None  # no pace yet: the peak
-    assert learning_rate(1, timed_only, 1, None) == 1e-3
-    untimed = TrainConfig(schedule="cosine", max_steps=1000)
-    assert cosine_horizon(untimed, 1000, TrainState(step=60, elapsed=50.0)) == 1000
+from tformer_cli.runtime import load_run, step_checkpoints
+from tformer_cli.train import prepare_run, train
 
 
 def test_cosine_bounded_by_epochs_reaches_min_lr_on_the_last_step(tmp_path):

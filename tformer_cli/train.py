@@ -26,6 +26,7 @@ from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, UsageError
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
+from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
 from tformer_cli.parallel import Workers
 from tformer_cli.runtime import (
     CHECKPOINTS, WEIGHTS, append_jsonl, autocast, load_trainer_state, load_weights, resolve_device, rng_state,
@@ -58,42 +59,6 @@ class TrainResult:
     state: TrainState
     stop_reason: str
     last_eval: dict[str, Any] | None
-
-
-def learning_rate(step: int, cfg: TrainConfig, d_model: int, horizon: float | None = None) -> float:
-    """The learning rate for optimizer step ``step`` (1-based).
-
-    noam: lr * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)  (§5.3; lr is a scale factor)
-    inverse_sqrt: linear warmup to lr, then lr * sqrt(warmup / step)
-    cosine: linear warmup to lr, then cosine decay to min_lr at step ``horizon`` (default max_steps)
-    constant: linear warmup to lr, then lr
-    """
-    step = max(step, 1)
-    warmup = cfg.warmup_steps
-    if cfg.schedule == "noam":
-        return cfg.lr * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
-    if warmup and step < warmup:
-        return cfg.lr * step / warmup
-    if cfg.schedule == "inverse_sqrt":
-        return cfg.lr * math.sqrt(max(warmup, 1) / step)
-    if cfg.schedule == "cosine":
-        end = horizon if horizon is not None else cfg.max_steps
-        if end is None:  # bounded by time alone, before its pace is known
-            return cfg.lr
-        progress = min(1.0, (step - warmup) / max(1, end - warmup))
-        return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-    return cfg.lr
-
-
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """Adam or AdamW; weight decay applies to matrices only (not biases, LayerNorms)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    # The fused kernels are numerically the same algorithm, several times faster on CPU and CUDA.
-    return cls(groups, lr=0.0, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
 
 
 class _Setup:
@@ -252,7 +217,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 scaler.unscale_(optimizer)
                 if cfg.clip_grad_norm:  # clip
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-                horizon = cosine_horizon(cfg, total_steps, state) if cfg.schedule == "cosine" else None
+                horizon = cosine_horizon(cfg, total_steps, state.step, state.elapsed) if cfg.schedule == "cosine" else None
                 lr = learning_rate(state.step + 1, cfg, config.model.d_model, horizon)  # schedule
                 for param_group in optimizer.param_groups:
                     param_group["lr"] = lr
@@ -326,15 +291,6 @@ def _total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
     if cfg.epochs:
         limits.append(cfg.epochs * steps_per_epoch)
     return min(limits) if limits else None
-
-
-def cosine_horizon(cfg: TrainConfig, total_steps: int | None, state: TrainState) -> float | None:
-    """The step where a cosine schedule reaches min_lr: the step limit (max_steps or epochs), or sooner the
-    step at which max_time runs out at the pace so far, so that a run bounded by time also decays fully."""
-    ends = [float(total_steps)] if total_steps else []
-    if cfg.max_time and state.elapsed > 0:
-        ends.append(max(state.step, 1) * cfg.max_time / state.elapsed)
-    return min(ends) if ends else None
 
 
 def _stop_reason(cfg: TrainConfig, state: TrainState) -> str | None:
