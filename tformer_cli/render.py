@@ -115,8 +115,9 @@ class TrainProgress:
         self.start_info = data
         resumed = f", resumed at step {data['resumed_at']:,}" if data["resumed_at"] else ""
         dropped = data["dropped_long"] + data["dropped_empty"]
+        device = f"{data['device']} ({data['processes']} processes)" if data["processes"] > 1 else data["device"]
         err_console.print(
-            f"[bold]training[/] {data['run_dir']} on {data['device']}{resumed}: "
+            f"[bold]training[/] {data['run_dir']} on {device}{resumed}: "
             f"{human(data['parameters'])} parameters, "
             f"vocabulary {data['vocab_size']:,}, {data['train_pairs']:,} training pairs "
             f"({dropped:,} dropped: {data['dropped_long']:,} too long, {data['dropped_empty']:,} empty; "

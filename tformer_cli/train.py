@@ -274,7 +274,8 @@ def _batches(data: EncodedSplit, max_tokens: int, seed: int = 0, epoch: int = 0,
 
 def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
     data = setup.train_data
-    return {"run_dir": str(setup.run_dir), "device": str(setup.device), "resumed_at": setup.state.step,
+    return {"run_dir": str(setup.run_dir), "device": str(setup.device), "processes": setup.workers.size,
+            "resumed_at": setup.state.step,
             "parameters": sum(p.numel() for p in setup.model.parameters()), "train_pairs": len(data),
             "validation_pairs": len(setup.valid_data) if setup.valid_data else 0,
             "dropped_long": data.dropped_long, "dropped_empty": data.dropped_empty, "truncated": data.truncated,
