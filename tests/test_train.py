@@ -222,6 +222,9 @@ def test_a_new_run_never_overwrites_an_old_one(tmp_path):
         prepare_run(path, None, [], tmp_path / "run")
     with pytest.raises(UsageError, match="either a CONFIG"):
         prepare_run(None, None, [], None)
+    with pytest.raises(UsageError, match="--device gpu: expected auto, cpu or cuda"):  # checked before clearing
+        prepare_run(path, None, [], tmp_path / "run", overwrite=True, device="gpu")
+    assert step_checkpoints(tmp_path / "run")
     config, run_dir = prepare_run(path, None, [], tmp_path / "run", overwrite=True)
     assert not run_dir.exists()
     other = tmp_path / "not-a-run"

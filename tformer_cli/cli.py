@@ -105,10 +105,8 @@ def train(
     from tformer_cli.runtime import resolve_device
     from tformer_cli.train import prepare_run, train as run_training
 
-    if device:
-        resolve_device(device)  # a mistake in --device is named as such
-    sets = list(overrides or []) + ([f"train.device={device}"] if device else [])
-    cfg, run_dir = prepare_run(config, resume, sets, output_dir, overwrite, main=parallel.launched_rank() == 0)
+    cfg, run_dir = prepare_run(config, resume, list(overrides or []), output_dir, overwrite,
+                               main=parallel.launched_rank() == 0, device=device)
     workers = parallel.join(resolve_device(cfg.train.device))  # under torchrun: one of several processes
     try:
         result = run_training(cfg, run_dir, resume=resume is not None, callback=TrainProgress(quiet or json_output),

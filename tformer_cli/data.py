@@ -42,7 +42,8 @@ def absolute_paths(cfg: DataConfig) -> DataConfig:
     def absolute(path: Any) -> Any:
         if isinstance(path, list):
             return [absolute(p) for p in path]
-        return str(Path(path).expanduser().resolve()) if isinstance(path, str) and Path(path).exists() else path
+        local = Path(path).expanduser() if isinstance(path, str) else None
+        return str(local.resolve()) if local is not None and local.exists() else path
 
     files = {split: absolute(f) for split, f in cfg.data_files.items()} if cfg.data_files else cfg.data_files
     return replace(cfg, dataset=absolute(cfg.dataset), data_files=files)

@@ -114,12 +114,13 @@ class _Setup:
 
 
 def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[str], output_dir: Path | None,
-                overwrite: bool = False, main: bool = True) -> tuple[Config, Path]:
+                overwrite: bool = False, main: bool = True, device: str | None = None) -> tuple[Config, Path]:
     """The config and run folder for a new run or a resumed one (checked and cleared by the ``main``
-    process only, when several train together).
+    process only, when several train together), on ``device`` if given (else train.device).
 
     Raises:
-        UsageError: neither or both of config and resume, or a new run would overwrite an old one.
+        UsageError: neither or both of config and resume, a device that is not there (checked before
+            anything is cleared), or a new run would overwrite an old one.
     """
     from tformer_cli.config import load_config
 
@@ -131,20 +132,26 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
         config = load_config(Path(resume) / "config.yaml", overrides, saved_run=True)
         if overrides:
             _refuse_fixed_changes(load_config(Path(resume) / "config.yaml", saved_run=True), config)
-        config.name = Path(resume).name
-        config.data = absolute_paths(config.data)
-        return config, Path(resume)
-    config = load_config(config_path, overrides)
+        config.name, run_dir = Path(resume).name, Path(resume)
+    else:
+        config = load_config(config_path, overrides)
+        run_dir = Path(output_dir or config.train.output_dir or Path("runs") / config.name)
+    config.train.device = device or config.train.device  # recorded in the run's config.yaml
+    resolve_device(config.train.device)
+    if resume is None and main:
+        _clear_for_new_run(run_dir, overwrite)
     config.data = absolute_paths(config.data)  # the run's config.yaml then works from any directory
-    run_dir = Path(output_dir or config.train.output_dir or Path("runs") / config.name)
-    if main and run_dir.exists() and any(run_dir.iterdir()):
+    return config, run_dir
+
+
+def _clear_for_new_run(run_dir: Path, overwrite: bool) -> None:
+    if run_dir.exists() and any(run_dir.iterdir()):
         if not (run_dir / "config.yaml").is_file():  # --overwrite deletes runs only, never other folders
             raise UsageError(f"{run_dir} is not empty and holds no tformer run; pick a new or empty --output-dir")
         if not overwrite:
             raise UsageError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, "
                              "or pass --overwrite or another --output-dir")
         shutil.rmtree(run_dir)
-    return config, run_dir
 
 
 # What a resumed run may change: its regularisation, not the weights' shapes or the vocabulary it learned.
