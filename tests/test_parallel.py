@@ -73,3 +73,15 @@ def test_two_processes_with_dropout_resume_bit_for_bit(tmp_path):
     assert _torchrun(2, "train", "--resume", str(resumed), "--set", "train.max_steps=4", "--quiet").returncode == 0
     ours, theirs = (load_file(str(step_checkpoints(run)[-1] / "model.safetensors")) for run in (straight, resumed))
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+def test_a_mistake_stops_every_process_with_one_line_each(tmp_path):
+    config = write_config(tmp_path / "bad.yaml", data={"dataset": str(tmp_path / "missing")})
+    result = _torchrun(2, "train", str(config), "--output-dir", str(tmp_path / "run"), "--quiet")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and sorted(errors) == [
+        f"error: data.dataset: no such folder '{tmp_path / 'missing'}'; check the path (relative paths start "
+        "from the current directory)",
+        "error: process 1: another training process stopped (RuntimeError); its own error says why"]
+    assert "tformer_cli/" not in result.stderr  # no traceback from inside tformer (torchrun reports its own)

@@ -19,11 +19,14 @@ the plain all-reduce is that it starts after the backward pass instead of overla
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tformer_cli.errors import TformerError
 
 
 @dataclass(frozen=True)
@@ -39,14 +42,16 @@ class Workers:
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier()
+            with self._together():
+                dist.barrier()
 
     def sum(self, *values: float) -> list[float]:
         """Each value summed over the processes (on the CPU: no wait on a GPU)."""
         if self.size == 1:
             return list(values)
         totals = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(totals)
+        with self._together():
+            dist.all_reduce(totals)
         return totals.tolist()
 
     def from_main(self, value: Any) -> Any:
@@ -54,7 +59,8 @@ class Workers:
         if self.size == 1:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        with self._together():
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def sum_gradients(self, parameters) -> None:
@@ -63,9 +69,20 @@ class Workers:
             return
         grads = [p.grad for p in parameters if p.grad is not None]
         flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat)
+        with self._together():
+            dist.all_reduce(flat)
         for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             grad.copy_(summed)
+
+    @contextmanager
+    def _together(self):
+        """A collective that fails because another process stopped is one line here, not a traceback
+        on every other process (the process that stopped prints the cause)."""
+        try:
+            yield
+        except RuntimeError as exc:  # gloo and NCCL raise RuntimeError and its subclasses
+            raise TformerError(f"process {self.rank}: another training process stopped ({type(exc).__name__}); "
+                               "its own error says why") from exc
 
 
 def launched_rank() -> int:
