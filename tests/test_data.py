@@ -67,6 +67,47 @@ def test_bad_data_configs_give_clear_errors(tmp_path):
         load_pairs(DataConfig(dataset=str(tmp_path / "missing-folder")), "train")
 
 
+def _cache_as_hub_dataset(cache, repo_id, data_file):
+    """Build ``data_file`` into the datasets cache laid out as a downloaded hub dataset's."""
+    import shutil
+
+    from datasets.packaged_modules.json.json import Json
+
+    namespace, name = repo_id.split("/")
+    builder = Json(data_files={"train": data_file}, cache_dir=str(cache / "build"), dataset_name=name)
+    builder.download_and_prepare()
+    shutil.copytree(builder.cache_dir, cache / f"{namespace}___{name}" / "default" / "0.0.0" / "0123abcd")
+
+
+def test_an_unreachable_hub_loads_cached_datasets_at_once_and_fails_at_once_otherwise(tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub.constants
+    import socket
+    import time
+
+    def no_dns(host, *args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    def no_retries(seconds):
+        raise AssertionError("huggingface_hub retried the unreachable hub")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(time, "sleep", no_retries)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # the tests run in offline mode
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    _cache_as_hub_dataset(tmp_path / "hf", "someone/cached-pairs", _jsonl(tmp_path / "train.jsonl", ROWS[:3]))
+
+    pairs = load_pairs(DataConfig(dataset="someone/cached-pairs", source="en", target="de"), "train")
+    assert pairs == [(r["en"], r["de"]) for r in ROWS[:3]]
+    with pytest.raises(DataError, match="'someone/missing' from the Hugging Face hub: it is unreachable "
+                                        r"\(no address for huggingface.co\) and the datasets cache has no copy"):
+        load_pairs(DataConfig(dataset="someone/missing"), "train")
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == (False, False)
+
+
 def test_encode_split_drops_empty_and_drops_or_truncates_long_pairs():
     vocab = Vocabulary.train([("a b c d e f g", "a b c d e f g")], vocab_size=40, min_frequency=1)
     pairs = [("a b", "c d"), ("", "c"), ("a b c d e f g a b c d e f g", "a")]

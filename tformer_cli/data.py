@@ -11,9 +11,12 @@ import json
 import os
 import pickle
 import random
+import socket
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
@@ -114,20 +117,56 @@ def _load_named(name: str, split: str):
     if not local and name.startswith(("/", "./", "../", "~")):  # a path, not a hub id (owner/name)
         raise DataError(f"data.dataset: no such folder '{name}'; check the path (relative paths start "
                         "from the current directory)")
+    unreachable = None if local else _hub_unreachable()
     try:
-        dataset = datasets.load_dataset(name)
+        with _hub_offline() if unreachable else nullcontext():
+            dataset = datasets.load_dataset(name)
     except Exception as exc:
         if local:
             raise DataError(f"could not load the dataset folder '{name}': {first_line(exc)}") from exc
+        why = (f": it is unreachable ({unreachable}) and the datasets cache has no copy;" if unreachable
+               else f" ({type(exc).__name__}); offline, or a folder elsewhere?")
         raise DataError(
-            f"could not load '{name}' from the Hugging Face hub ({type(exc).__name__}); offline, or a folder "
-            f"elsewhere? point at local data: train --set data.dataset=path/to/folder (or data.data_files), "
-            f"eval --data-files FILE"
+            f"could not load '{name}' from the Hugging Face hub{why} point at local data: "
+            "train --set data.dataset=path/to/folder (or data.data_files), eval --data-files FILE"
         ) from exc
     if split not in dataset:
         raise DataError(f"dataset '{name}' has no split '{split}' (has: {', '.join(dataset)}); "
                         "set data.train_split / validation_split / test_split")
     return dataset[split]
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached, found by one DNS lookup of its host, or None. Offline,
+    huggingface_hub would otherwise retry five times (~25 s) before failing. Not checked in offline
+    mode (HF_HUB_OFFLINE) or behind a proxy, which resolves names itself."""
+    import datasets
+
+    proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    if datasets.config.HF_HUB_OFFLINE or any(os.environ.get(name) for name in proxies):
+        return None
+    host = urlparse(datasets.config.HF_ENDPOINT).hostname or datasets.config.HF_ENDPOINT
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return f"no address for {host}"
+    return None
+
+
+@contextmanager
+def _hub_offline():
+    """`datasets` and huggingface_hub in offline mode inside the block: a hub dataset loads from the
+    local cache, or fails at once. Their HF_HUB_OFFLINE is read from the environment at import time, so
+    the module flags are set here, and restored."""
+    import datasets
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
 def _columns(dataset, cfg: DataConfig) -> list[tuple[str, str]]:
