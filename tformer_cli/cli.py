@@ -12,9 +12,9 @@ import typer
 from typer.core import TyperGroup
 
 from tformer_cli import __version__
+from tformer_cli.cli_options import (ADVANCED, AlphaOpt, BatchOpt, BeamOpt, DeviceOpt, JsonOpt, PrecisionOpt, QuietOpt,
+                                     RunArg, SetOpt, check_decoding_flags, check_image_name, decoding_autocast)
 from tformer_cli.errors import TformerError, UsageError
-
-ADVANCED = "Advanced"
 
 
 class _ErrorBoundary(TyperGroup):
@@ -52,17 +52,6 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-# Options shared by several commands, declared once.
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option(
-    "--set", metavar="SECTION.KEY=VALUE", help="Override a config key, e.g. --set train.lr=3e-4 (repeatable).")]
-DeviceOpt = Annotated[Optional[str], typer.Option(
-    "--device", help="auto | cpu | cuda (default: the config's train.device).")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
-PrecisionOpt = Annotated[str, typer.Option(
-    help="fp32 | bf16 | fp16: autocast while decoding (bf16 is fast on GPUs and on CPUs with AVX-512 BF16 or AMX).",
-    rich_help_panel=ADVANCED)]
 
 
 def _version(value: bool) -> None:
@@ -120,13 +109,6 @@ def train(
         raise typer.Exit(130)
 
 
-RunArg = Annotated[Path, typer.Argument(help="Run folder (or a checkpoint folder inside it).")]
-BeamOpt = Annotated[Optional[int], typer.Option("--beam", help="Beam size; 1 is greedy (default: config).")]
-BatchOpt = Annotated[Optional[int], typer.Option(help="Sentences per batch (default: config; else 256 / beam).",
-                                                 rich_help_panel=ADVANCED)]
-AlphaOpt = Annotated[Optional[float], typer.Option(help="GNMT length penalty alpha.", rich_help_panel=ADVANCED)]
-
-
 @app.command("eval")
 def eval_command(
     run: RunArg,
@@ -158,12 +140,12 @@ def eval_command(
     from tformer_cli.render import eval_table, print_json
     from tformer_cli.runtime import load_run, resolve_device
 
-    _check_decoding_flags(beam=beam, batch_size=batch_size, max_samples=max_samples, length_penalty=length_penalty)
+    check_decoding_flags(beam=beam, batch_size=batch_size, max_samples=max_samples, length_penalty=length_penalty)
     for path in data_files or []:
         if not path.is_file():
             raise UsageError(f"--data-files {path}: no such file")
     dev = resolve_device(device or "auto")
-    amp = _decoding_autocast(dev, precision)  # checked before the model is loaded
+    amp = decoding_autocast(dev, precision)  # checked before the model is loaded
     loaded = load_run(run, dev)
     if output:  # a folder or an unwritable path fails now, not after the evaluation (nor before the run loads)
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -182,32 +164,6 @@ def eval_command(
         output.write_text("".join(h + "\n" for h in hypotheses))
     result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam=options.beam_size, precision=precision)
     print_json(result) if json_output else eval_table(result)
-
-
-def _check_decoding_flags(**flags) -> None:
-    """One-line errors for out-of-range decoding flags, before any model is loaded (None: not given). The
-    flags that set a decode config key obey that key's range (config.DECODE_LIMITS)."""
-    from tformer_cli.config import DECODE_LIMITS
-
-    at_least_one = (lambda v: v >= 1, ">= 1")
-    limits = {**DECODE_LIMITS, "beam": DECODE_LIMITS["beam_size"], "nbest": at_least_one, "max_len": at_least_one,
-              "max_samples": at_least_one}
-    for name, value in flags.items():
-        ok, expected = limits[name]
-        if value is not None and not ok(value):
-            raise UsageError(f"--{name.replace('_', '-')} {value}: must be {expected}")
-
-
-def _decoding_autocast(device, precision: str):
-    """The --precision autocast context; warns when it would be slower than fp32 here."""
-    from tformer_cli.render import warn
-    from tformer_cli.runtime import autocast, slow_precision
-
-    amp = autocast(device, precision)  # raises on an unknown precision
-    slow = slow_precision(device, precision)
-    if slow:
-        warn(f"--precision {slow}; use --precision fp32")
-    return amp
 
 
 @app.command()
@@ -241,13 +197,13 @@ def generate(
     from tformer_cli.render import generation_lines, warn
     from tformer_cli.runtime import load_run, resolve_device
 
-    _check_decoding_flags(beam=beam, nbest=nbest, batch_size=batch_size, max_len=max_len, temperature=temperature,
+    check_decoding_flags(beam=beam, nbest=nbest, batch_size=batch_size, max_len=max_len, temperature=temperature,
                           top_k=top_k, top_p=top_p, length_penalty=length_penalty)
     if sample and beam is not None and beam > 1:
         raise UsageError(f"--beam {beam} with --sample: sampling draws each token at random, not by beam search; "
                          "drop --beam (--nbest N draws N samples)")
     dev = resolve_device(device or "auto")
-    amp = _decoding_autocast(dev, precision)
+    amp = decoding_autocast(dev, precision)
     loaded = load_run(run, dev)
     limits = {"max_len_a": 0.0, "max_len_b": max_len} if max_len is not None else {}
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam, sample=sample,
@@ -292,7 +248,7 @@ def inspect_attention(
     from tformer_cli.render_attention import print_maps, save_image
     from tformer_cli.runtime import load_run, resolve_device
 
-    _check_image_name("--save", save)
+    check_image_name("--save", save)
     loaded = load_run(run, resolve_device(device or "auto"))
     capture = capture_attention(loaded.model, loaded.vocab, source, target)
     maps = select_maps(capture, kind, layer, head)
@@ -352,7 +308,7 @@ def plot(
     from tformer_cli.runtime import read_metrics
 
     path = output or Path(run) / "curves.png"
-    _check_image_name("--output", path)
+    check_image_name("--output", path)
     plot_curves(read_metrics(run), path, title=str(run))
     console.print(f"saved {path}", highlight=False)
 
@@ -395,11 +351,6 @@ def count_params(
     vocab_size = cfg.data.vocab_size
     result = summary(cfg.model, vocab_size, vocab_size)
     print_json(result) if json_output else param_table(result)
-
-
-def _check_image_name(option: str, path: Path | None) -> None:
-    if path is not None and path.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise UsageError(f"{option} {path}: use a .png, .svg or .pdf file name")
 
 
 def _at_terminal(stream) -> bool:

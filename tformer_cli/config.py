@@ -3,7 +3,8 @@
 A config file has the sections ``model``, ``data``, ``train`` and ``decode``; any key may be
 overridden from the command line as ``--set section.key=value`` (the value is parsed as YAML).
 A file may start from another with ``extends: other.yaml`` (resolved relative to the file).
-Every mistake in a file is reported together, one line each, with its key path.
+Every mistake in a file is reported together, one line each, with its key path. Reading the YAML,
+``extends``, the overrides and the type checks are in ``config_parse``; the checks of values are here.
 
 This module must not import torch: ``tformer --help`` and config checks stay instant.
 """
@@ -12,15 +13,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
 import yaml
 
+from tformer_cli.config_parse import apply_override, build_sections, merge, origin, read_yaml
 from tformer_cli.errors import ConfigError
 
 
@@ -178,20 +177,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     source = "command line"
     if path is not None:
         path = Path(path)
-        raw = _read_yaml(path, seen=())
+        raw = read_yaml(path, SECTIONS)
         if saved_run:
-            raw = _merge(copy.deepcopy(SAVED_RUN_DEFAULTS), raw)
+            raw = merge(copy.deepcopy(SAVED_RUN_DEFAULTS), raw, SECTIONS)
         source = str(path)
     errors: list[str] = []
-    overridden = {_apply_override(raw, item, errors) for item in overrides or []} - {None}
+    overridden = {apply_override(raw, item, errors) for item in overrides or []} - {None}
     if not overrides_are_sets:
         overridden = set()
-    config = _build(raw, errors)
-    if config is not None:
-        config.name = Path(path).stem if path is not None else "config"
+    sections = build_sections(raw, SECTIONS, errors)
+    config = None
+    if sections is not None:
+        config = Config(**sections, name=Path(path).stem if path is not None else "config")
         errors += validate(config)
     if errors:
-        raise ConfigError("\n".join(_origin(e, overridden, source) for e in errors))
+        raise ConfigError("\n".join(origin(e, overridden, source) for e in errors))
     return config
 
 
@@ -203,148 +203,6 @@ def to_yaml(config: Config) -> str:
     return yaml.safe_dump(to_dict(config), sort_keys=False)
 
 
-def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found; pass an existing YAML file such as configs/base.yaml")
-    if path.resolve() in seen:
-        raise ConfigError(f"{path}: 'extends' forms a cycle; remove one of the extends lines")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections (model, data, train, decode)")
-    parent = data.pop("extends", None)
-    if parent is None:
-        return data
-    base = _read_yaml(path.parent / parent, seen + (path.resolve(),))
-    return _merge(base, data)
-
-
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key in SECTIONS:
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _origin(error: str, overridden: set[str], source: str) -> str:
-    """The error prefixed by where the mistake is: a --set item, or else the file (or command line)."""
-    if error.startswith("--set "):
-        return error
-    key = error.split(":")[0]  # e.g. data.data_files.train, from --set data.data_files=...
-    return f"--set {error}" if any(key == o or key.startswith(o + ".") for o in overridden) else f"{source}: {error}"
-
-
-def _apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> str | None:
-    """Set ``section.key=value`` in ``raw``, or ``section.key.entry=value`` in a mapping-valued key such
-    as ``data.data_files.train``; returns ``section.key``, or None after recording a malformed item."""
-    key, sep, text = item.partition("=")
-    parts = key.strip().split(".")
-    if not sep or len(parts) not in (2, 3) or not all(parts):
-        errors.append(f"--set {item!r}: expected section.key=value, e.g. --set train.lr=3e-4 "
-                      f"(or section.key.entry=value for a mapping such as data.data_files.train)")
-        return None
-    try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        value = text
-    section = raw.setdefault(parts[0], {})
-    if not isinstance(section, dict):
-        return None  # _build reports the section itself
-    if len(parts) == 3:
-        mapping = section.get(parts[1])
-        section[parts[1]] = mapping = dict(mapping) if isinstance(mapping, dict) else {}
-        mapping[parts[2]] = value
-    else:
-        section[parts[1]] = value
-    return ".".join(parts[:2])
-
-
-def _suggest(name: str, options: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f"; did you mean '{close[0]}'?" if close else ""
-
-
-def _build(raw: dict[str, Any], errors: list[str]) -> Config | None:
-    sections: dict[str, Any] = {}
-    for name, value in raw.items():
-        if name not in SECTIONS:
-            errors.append(f"unknown section '{name}'{_suggest(name, SECTIONS)} (sections: {', '.join(SECTIONS)})")
-            continue
-        if value is None:
-            value = {}
-        if not isinstance(value, dict):
-            errors.append(f"{name}: expected a mapping of keys, got {type(value).__name__}")
-            continue
-        sections[name] = _build_section(name, SECTIONS[name], value, errors)
-    if errors:
-        return None
-    return Config(**{name: sections.get(name, cls()) for name, cls in SECTIONS.items()})
-
-
-def _build_section(name: str, cls: type, values: dict[str, Any], errors: list[str]) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
-        if key not in fields:
-            errors.append(f"{name}.{key}: unknown key{_suggest(key, fields)}")
-            continue
-        problem, value = _check_type(value, hints[key])
-        if problem:
-            errors.append(f"{name}.{key}: {problem}")
-            continue
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
-def _check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
-    """Return (problem or None, value coerced to the hint, e.g. int -> float)."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None, None
-        inner = [a for a in args if a is not type(None)]
-        return _check_type(value, inner[0]) if len(inner) == 1 else (None, value)
-    if origin is Literal:
-        if value in args:
-            return None, value
-        choices = ", ".join(map(repr, args))
-        return f"must be one of {choices}, got {value!r}{_suggest(str(value), map(str, args))}", value
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            return f"expected a list, got {value!r}", value
-        checked = [_check_type(v, args[0]) for v in value]
-        problems = [p for p, _ in checked if p]
-        return (problems[0] if problems else None), [v for _, v in checked]
-    if origin is dict:
-        return (None, value) if isinstance(value, dict) else (f"expected a mapping, got {value!r}", value)
-    if hint is bool:
-        return (None, value) if isinstance(value, bool) else (f"expected true or false, got {value!r}", value)
-    if hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return (None, value) if ok else (f"expected an integer, got {value!r}", value)
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return None, float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
-                return None, float(value)
-            except ValueError:
-                pass
-        return f"expected a number, got {value!r}", value
-    if hint is str:
-        return (None, value) if isinstance(value, str) else (f"expected a string, got {value!r}", value)
-    return None, value
-
-
 # ---------------------------------------------------------------------------------------------
 # Validation of values (types are already right)
 # ---------------------------------------------------------------------------------------------
@@ -352,13 +210,27 @@ def _check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
 
 def validate(config: Config) -> list[str]:
     """Return one message per invalid value, each naming its key path and the fix."""
-    m, d, t, dec = config.model, config.data, config.train, config.decode
     errors: list[str] = []
 
     def need(ok: bool, key: str, message: str) -> None:
         if not ok:
             errors.append(f"{key}: {message}")
 
+    _validate_model(config.model, need)
+    _validate_data(config.data, config.model, need)
+    _validate_train(config.train, config.data, config.model, need)
+    for key, (ok, expected) in DECODE_LIMITS.items():
+        value = getattr(config.decode, key)
+        need(ok(value), f"decode.{key}", f"must be {expected}, got {value}")
+    need(config.decode.max_len_a >= 0 and config.decode.max_len_b >= 0, "decode.max_len_a",
+         "max_len_a and max_len_b must be >= 0")
+    return errors
+
+
+Need = Callable[[bool, str, str], None]  # need(ok, key, message) records the message unless ok
+
+
+def _validate_model(m: ModelConfig, need: Need) -> None:
     for key in ("d_model", "num_heads", "d_ff", "max_len"):
         need(getattr(m, key) > 0, f"model.{key}", f"must be > 0, got {getattr(m, key)}")
     for key in ("num_encoder_layers", "num_decoder_layers"):
@@ -373,6 +245,8 @@ def validate(config: Config) -> list[str]:
         need(0.0 <= getattr(m, key) < 1.0, f"model.{key}", f"must be in [0, 1), got {getattr(m, key)}")
     need(m.layer_norm_eps > 0, "model.layer_norm_eps", f"must be > 0, got {m.layer_norm_eps}")
 
+
+def _validate_data(d: DataConfig, m: ModelConfig, need: Need) -> None:
     need(bool(d.dataset) or bool(d.data_files), "data.dataset",
          "set data.dataset (hub id or folder) or data.data_files (split -> files)")
     for split, files in (d.data_files or {}).items():
@@ -388,6 +262,8 @@ def validate(config: Config) -> list[str]:
     need(d.joint_vocab or m.share_embeddings != "all", "model.share_embeddings",
          "'all' needs data.joint_vocab: true; use 'decoder' with separate vocabularies")
 
+
+def _validate_train(t: TrainConfig, d: DataConfig, m: ModelConfig, need: Need) -> None:
     need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas",
          f"must be two numbers in [0, 1), got {t.betas}")
@@ -412,9 +288,3 @@ def validate(config: Config) -> list[str]:
         need(value is None or value > 0, f"train.{key}", f"must be > 0 or null, got {value}")
     need(t.max_steps is not None or t.epochs is not None or t.max_time is not None, "train.max_steps",
          "set at least one of train.max_steps, train.epochs or train.max_time so training can stop")
-
-    for key, (ok, expected) in DECODE_LIMITS.items():
-        need(ok(getattr(dec, key)), f"decode.{key}", f"must be {expected}, got {getattr(dec, key)}")
-    need(dec.max_len_a >= 0 and dec.max_len_b >= 0, "decode.max_len_a",
-         "max_len_a and max_len_b must be >= 0")
-    return errors

@@ -1,0 +1,63 @@
+"""Command-line options shared by several `tformer` commands, declared once, and their checks.
+
+The checks run before any model or data is loaded and raise one-line ``UsageError``s naming the flag.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tformer_cli.errors import UsageError
+
+ADVANCED = "Advanced"  # the help panel of rarely used options
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option(
+    "--set", metavar="SECTION.KEY=VALUE", help="Override a config key, e.g. --set train.lr=3e-4 (repeatable).")]
+DeviceOpt = Annotated[Optional[str], typer.Option(
+    "--device", help="auto | cpu | cuda (default: the config's train.device).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
+RunArg = Annotated[Path, typer.Argument(help="Run folder (or a checkpoint folder inside it).")]
+
+# decoding, for eval and generate
+BeamOpt = Annotated[Optional[int], typer.Option("--beam", help="Beam size; 1 is greedy (default: config).")]
+BatchOpt = Annotated[Optional[int], typer.Option(help="Sentences per batch (default: config; else 256 / beam).",
+                                                 rich_help_panel=ADVANCED)]
+AlphaOpt = Annotated[Optional[float], typer.Option(help="GNMT length penalty alpha.", rich_help_panel=ADVANCED)]
+PrecisionOpt = Annotated[str, typer.Option(
+    help="fp32 | bf16 | fp16: autocast while decoding (bf16 is fast on GPUs and on CPUs with AVX-512 BF16 or AMX).",
+    rich_help_panel=ADVANCED)]
+
+
+def check_decoding_flags(**flags) -> None:
+    """One-line errors for out-of-range decoding flags (None: not given). The flags that set a decode
+    config key obey that key's range (config.DECODE_LIMITS)."""
+    from tformer_cli.config import DECODE_LIMITS
+
+    at_least_one = (lambda v: v >= 1, ">= 1")
+    limits = {**DECODE_LIMITS, "beam": DECODE_LIMITS["beam_size"], "nbest": at_least_one, "max_len": at_least_one,
+              "max_samples": at_least_one}
+    for name, value in flags.items():
+        ok, expected = limits[name]
+        if value is not None and not ok(value):
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be {expected}")
+
+
+def decoding_autocast(device, precision: str):
+    """The --precision autocast context; warns when it would be slower than fp32 here."""
+    from tformer_cli.render import warn
+    from tformer_cli.runtime import autocast, slow_precision
+
+    amp = autocast(device, precision)  # raises on an unknown precision
+    slow = slow_precision(device, precision)
+    if slow:
+        warn(f"--precision {slow}; use --precision fp32")
+    return amp
+
+
+def check_image_name(option: str, path: Path | None) -> None:
+    if path is not None and path.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise UsageError(f"{option} {path}: use a .png, .svg or .pdf file name")

@@ -1,0 +1,168 @@
+"""From YAML text and ``--set`` items to typed config sections: ``extends``, overrides, type checks.
+
+``tformer_cli.config`` defines the sections (dataclasses) and validates their values; this module
+turns raw YAML into them, recording every mistake as one line naming its key path. No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from tformer_cli.errors import ConfigError
+
+
+def read_yaml(path: Path, sections: typing.Collection[str], seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The file's mapping of sections, merged over the file it ``extends`` (relative to it).
+
+    Raises:
+        ConfigError: a missing file, invalid YAML, a non-mapping, or a cycle of ``extends``.
+    """
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found; pass an existing YAML file such as configs/base.yaml")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: 'extends' forms a cycle; remove one of the extends lines")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(sections)})")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    base = read_yaml(path.parent / parent, sections, seen + (path.resolve(),))
+    return merge(base, data, sections)
+
+
+def merge(base: dict[str, Any], update: dict[str, Any], sections: typing.Collection[str]) -> dict[str, Any]:
+    """``update`` over ``base``, key by key within each section."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and key in sections:
+            merged[key] = merge(merged[key], value, sections)
+        else:
+            merged[key] = value
+    return merged
+
+
+def apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> str | None:
+    """Set ``section.key=value`` in ``raw``, or ``section.key.entry=value`` in a mapping-valued key such
+    as ``data.data_files.train``; returns ``section.key``, or None after recording a malformed item."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) not in (2, 3) or not all(parts):
+        errors.append(f"--set {item!r}: expected section.key=value, e.g. --set train.lr=3e-4 "
+                      f"(or section.key.entry=value for a mapping such as data.data_files.train)")
+        return None
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    section = raw.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        return None  # build_sections reports the section itself
+    if len(parts) == 3:
+        mapping = section.get(parts[1])
+        section[parts[1]] = mapping = dict(mapping) if isinstance(mapping, dict) else {}
+        mapping[parts[2]] = value
+    else:
+        section[parts[1]] = value
+    return ".".join(parts[:2])
+
+
+def origin(error: str, overridden: set[str], source: str) -> str:
+    """The error prefixed by where the mistake is: a --set item, or else the file (or command line)."""
+    if error.startswith("--set "):
+        return error
+    key = error.split(":")[0]  # e.g. data.data_files.train, from --set data.data_files=...
+    return f"--set {error}" if any(key == o or key.startswith(o + ".") for o in overridden) else f"{source}: {error}"
+
+
+def build_sections(raw: dict[str, Any], sections: dict[str, type], errors: list[str]) -> dict[str, Any] | None:
+    """One dataclass instance per section of ``sections`` (defaults where ``raw`` lacks it), or None
+    after recording every unknown section or key and every value of the wrong type in ``errors``."""
+    built: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in sections:
+            errors.append(f"unknown section '{name}'{_suggest(name, sections)} (sections: {', '.join(sections)})")
+            continue
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            errors.append(f"{name}: expected a mapping of keys, got {type(value).__name__}")
+            continue
+        built[name] = _build_section(name, sections[name], value, errors)
+    if errors:
+        return None
+    return {name: built.get(name, cls()) for name, cls in sections.items()}
+
+
+def _build_section(name: str, cls: type, values: dict[str, Any], errors: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            errors.append(f"{name}.{key}: unknown key{_suggest(key, fields)}")
+            continue
+        problem, value = check_type(value, hints[key])
+        if problem:
+            errors.append(f"{name}.{key}: {problem}")
+            continue
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _suggest(name: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
+    """Return (problem or None, value coerced to the hint, e.g. int -> float)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None, None
+        inner = [a for a in args if a is not type(None)]
+        return check_type(value, inner[0]) if len(inner) == 1 else (None, value)
+    if origin is Literal:
+        if value in args:
+            return None, value
+        choices = ", ".join(map(repr, args))
+        return f"must be one of {choices}, got {value!r}{_suggest(str(value), map(str, args))}", value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return f"expected a list, got {value!r}", value
+        checked = [check_type(v, args[0]) for v in value]
+        problems = [p for p, _ in checked if p]
+        return (problems[0] if problems else None), [v for _, v in checked]
+    if origin is dict:
+        return (None, value) if isinstance(value, dict) else (f"expected a mapping, got {value!r}", value)
+    if hint is bool:
+        return (None, value) if isinstance(value, bool) else (f"expected true or false, got {value!r}", value)
+    if hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return (None, value) if ok else (f"expected an integer, got {value!r}", value)
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None, float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return None, float(value)
+            except ValueError:
+                pass
+        return f"expected a number, got {value!r}", value
+    if hint is str:
+        return (None, value) if isinstance(value, str) else (f"expected a string, got {value!r}", value)
+    return None, value
