@@ -85,3 +85,53 @@ def test_a_mistake_stops_every_process_with_one_line_each(tmp_path):
         "from the current directory)",
         "error: process 1: another training process stopped (RuntimeError); its own error says why"]
     assert "tformer_cli/" not in result.stderr  # no traceback from inside tformer (torchrun reports its own)
+
+
+def _model() -> torch.nn.Sequential:
+    """Buckets of 1 KiB: [last layer], [middle layer], [first layer], [unused layer]."""
+    torch.manual_seed(0)  # the same weights in every process
+    return torch.nn.Sequential(torch.nn.Linear(3, 3),  # not used: its gradient never finishes
+                               torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 4))
+
+
+def _sum_in_two_processes(rank: int, store_file: str, results: str) -> None:
+    import torch.distributed as dist
+
+    from tformer_cli.parallel import GradientSync, Workers
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    try:
+        model = _model()
+        sync = GradientSync(Workers(rank, 2), model.parameters(), bucket_mb=1024 / 2**20)
+        torch.manual_seed(1 + rank)  # a batch of its own
+        model[1:](torch.randn(16, 8)).square().sum().backward()  # not armed: accumulates only
+        sync.arm()
+        model[1:](torch.randn(16, 8)).square().sum().backward()
+        started_during_backward = sync.started
+        sync.finish()
+        sync.close()
+        torch.save({"grads": [p.grad for p in model.parameters()], "started": started_during_backward,
+                    "buckets": len(sync.buckets)}, f"{results}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+def test_gradient_sync_sums_buckets_while_backward_runs(tmp_path):
+    import torch.multiprocessing as mp
+
+    results = str(tmp_path / "grads")
+    mp.spawn(_sum_in_two_processes, args=(str(tmp_path / "store"), results), nprocs=2)
+    ranks = [torch.load(f"{results}.{rank}") for rank in (0, 1)]
+    model = _model()
+    for rank in (0, 1):  # both processes' two batches, accumulated in one process
+        torch.manual_seed(1 + rank)
+        for _ in range(2):
+            model[1:](torch.randn(16, 8)).square().sum().backward()
+    expected = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    for result in ranks:
+        for got, want in zip(result["grads"], expected):
+            torch.testing.assert_close(got, want)
+        # the used layers' buckets started from the hooks, during backward; the unused one in finish
+        assert (result["buckets"], result["started"]) == (4, 3)

@@ -27,7 +27,7 @@ from tformer_cli.errors import CheckpointError, DataError, UsageError
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
-from tformer_cli.parallel import Workers
+from tformer_cli.parallel import GradientSync, Workers
 from tformer_cli.runtime import (
     CHECKPOINTS, WEIGHTS, append_jsonl, autocast, load_trainer_state, load_weights, resolve_device, rng_state,
     save_checkpoint, save_run_files, save_weights, seed_everything, set_rng_state, slow_precision,
@@ -200,6 +200,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     session_start, elapsed_before = time.perf_counter(), state.elapsed
     model.train()
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt) if workers.main else None
+    gradients = GradientSync(workers, model.parameters())
     try:
         while stop_reason is None:
             batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, workers)
@@ -215,12 +216,14 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 if not workers.main:  # dropout masks of their own, drawn so that a resumed run draws them again
                     torch.manual_seed(cfg.seed + 1_000_003 * workers.rank + state.step)
                 nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
-                for batch in group:
+                for i, batch in enumerate(group):
                     with amp:  # forward + loss
                         loss, nll = loss_fn(model, batch.to(device), cfg.label_smoothing, cfg.rdrop)
+                    if i == len(group) - 1:
+                        gradients.arm()  # sum over the processes as the last backward finishes gradients
                     scaler.scale(loss / group_tokens).backward()  # backward
                     nll_sum += nll
-                workers.sum_gradients(model.parameters())
+                gradients.finish()
                 scaler.unscale_(optimizer)
                 if cfg.clip_grad_norm:  # clip
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
@@ -261,6 +264,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
         optimizer.zero_grad(set_to_none=True)
         _checkpoint(setup, notify)
     finally:
+        gradients.close()
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
     notify("end", {"state": asdict(state), "stop_reason": stop_reason, "last_eval": last_eval})
