@@ -89,6 +89,9 @@ def test_all_mistakes_are_reported_together(tmp_path):
     bad.write_text("model:\n  dropout: 0\ntrain:\n  rdrop: 1\n")
     with pytest.raises(ConfigError, match="train.rdrop: needs dropout"):
         load_config(bad)
+    bad.write_text("data:\n  subset: de-en\n  data_files:\n    train: t.jsonl\n")
+    with pytest.raises(ConfigError, match="data.subset: selects a subset of data.dataset, not of data.data_files"):
+        load_config(bad)
 
 
 def test_extends_merges_sections_and_round_trips(tmp_path):

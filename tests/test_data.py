@@ -1,5 +1,6 @@
 import gzip
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -65,6 +66,26 @@ def test_bad_data_configs_give_clear_errors(tmp_path):
         load_pairs(DataConfig(dataset="nobody/no-such-dataset-here"), "train")
     with pytest.raises(DataError, match="data.dataset: no such folder '.*missing-folder'; check the path"):
         load_pairs(DataConfig(dataset=str(tmp_path / "missing-folder")), "train")
+
+
+def test_subset_picks_one_configuration_of_a_dataset(tmp_path):
+    folder = tmp_path / "multi"
+    for subset, rows in (("de-en", ROWS[:2]), ("fr-en", [{"de": "maison", "en": "house"}])):
+        (folder / subset).mkdir(parents=True)
+        _jsonl(folder / subset / "train.jsonl", rows)
+    (folder / "README.md").write_text(  # the dataset card's YAML header declares the subsets
+        "---\nconfigs:\n" + "".join(f"- config_name: {name}\n  data_files:\n  - split: train\n"
+                                    f"    path: {name}/train.jsonl\n" for name in ("de-en", "fr-en")) + "---\n")
+    pick = DataConfig(dataset=str(folder), source="en", target="de")
+    assert load_pairs(replace(pick, subset="fr-en"), "train") == [("house", "maison")]
+    assert load_pairs(replace(pick, subset="de-en"), "train") == [(r["en"], r["de"]) for r in ROWS[:2]]
+    with pytest.raises(DataError, match=r"data.subset: '.*multi' has several subsets \(de-en, fr-en\); pick one, "
+                                        r"e.g. --set data.subset=de-en"):
+        load_pairs(pick, "train")
+    with pytest.raises(DataError, match=r"data.subset: '.*multi' has no subset 'cs-en' \(has: de-en, fr-en\)"):
+        load_pairs(replace(pick, subset="cs-en"), "train")
+    assert data_fingerprint(replace(pick, subset="de-en"), "train") != data_fingerprint(replace(pick, subset="fr-en"),
+                                                                                      "train")
 
 
 def _cache_as_hub_dataset(cache, repo_id, data_file):

@@ -59,6 +59,7 @@ class DataConfig:
     """Where the parallel text comes from and how it is tokenised."""
 
     dataset: Optional[str] = "bentrevett/multi30k"  # hub id or local dataset folder
+    subset: Optional[str] = None  # the dataset's subset (configuration) where it has several, e.g. wmt14's de-en
     data_files: Optional[dict[str, Any]] = None  # split -> file(s); overrides `dataset`
     format: Literal["auto", "json", "csv", "parquet", "text"] = "auto"
     source: str = "de"  # field name; dotted for nested fields, e.g. translation.de
@@ -249,6 +250,8 @@ def _validate_model(m: ModelConfig, need: Need) -> None:
 def _validate_data(d: DataConfig, m: ModelConfig, need: Need) -> None:
     need(bool(d.dataset) or bool(d.data_files), "data.dataset",
          "set data.dataset (hub id or folder) or data.data_files (split -> files)")
+    need(not (d.subset and d.data_files), "data.subset",
+         "selects a subset of data.dataset, not of data.data_files; remove one of them")
     for split, files in (d.data_files or {}).items():
         paths = files if isinstance(files, list) else [files]
         need(bool(paths) and all(isinstance(f, str) and f for f in paths), f"data.data_files.{split}",

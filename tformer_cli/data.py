@@ -67,7 +67,7 @@ def load_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
         fmt = cfg.format if cfg.format != "auto" else _format_of(files[0])
         pairs = _text_pairs(files) if fmt == "text" else _columns(_load_files(fmt, files), cfg)
     else:
-        pairs = _columns(_load_named(cfg.dataset, split), cfg)
+        pairs = _columns(_load_named(cfg.dataset, cfg.subset, split), cfg)
     if not pairs:
         raise DataError(f"split '{split}' of {cfg.data_files or cfg.dataset} is empty; check the files or split name")
     return pairs[: cfg.max_samples] if cfg.max_samples else pairs
@@ -109,7 +109,7 @@ def _text_pairs(files: list[str]) -> list[tuple[str, str]]:
     return list(zip(source, target))
 
 
-def _load_named(name: str, split: str):
+def _load_named(name: str, subset: str | None, split: str):
     import datasets
 
     datasets.disable_progress_bars()
@@ -120,8 +120,11 @@ def _load_named(name: str, split: str):
     unreachable = None if local else _hub_unreachable()
     try:
         with _hub_offline() if unreachable else nullcontext():
-            dataset = datasets.load_dataset(name)
+            dataset = datasets.load_dataset(name, subset)
     except Exception as exc:
+        wrong_subset = None if unreachable else _wrong_subset(name, subset)
+        if wrong_subset:
+            raise DataError(f"data.subset: {wrong_subset}") from exc
         if local:
             raise DataError(f"could not load the dataset folder '{name}': {first_line(exc)}") from exc
         why = (f": it is unreachable ({unreachable}) and the datasets cache has no copy;" if unreachable
@@ -134,6 +137,21 @@ def _load_named(name: str, split: str):
         raise DataError(f"dataset '{name}' has no split '{split}' (has: {', '.join(dataset)}); "
                         "set data.train_split / validation_split / test_split")
     return dataset[split]
+
+
+def _wrong_subset(name: str, subset: str | None) -> str | None:
+    """What is wrong with ``subset`` for the dataset ``name``, or None where it is not the problem."""
+    import datasets
+
+    try:
+        subsets = datasets.get_dataset_config_names(name)
+    except Exception:
+        return None
+    if subset is None and len(subsets) > 1:
+        return f"'{name}' has several subsets ({', '.join(subsets)}); pick one, e.g. --set data.subset={subsets[0]}"
+    if subset is not None and subset not in subsets:
+        return f"'{name}' has no subset '{subset}' (has: {', '.join(subsets)})"
+    return None
 
 
 def _hub_unreachable() -> str | None:
