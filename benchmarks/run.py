@@ -226,7 +226,7 @@ def run_data(step_seconds: float | None) -> list[dict]:
     vocab = Vocabulary.train(pairs, 8000)
     start = time.perf_counter()
     encoded = encode_split(pairs, vocab, cfg)
-    batches = token_batches([len(s) for s in encoded.src], [len(t) for t in encoded.tgt], 4096)
+    batches = token_batches(encoded.src.lengths(), encoded.tgt.lengths(), 4096)
     collate_start = time.perf_counter()
     for indices in batches:
         collate(encoded, indices)

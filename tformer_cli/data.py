@@ -22,8 +22,12 @@ import torch
 
 from tformer_cli.config import DataConfig
 from tformer_cli.errors import DataError, first_line
+from tformer_cli.sequences import Sequences
 from tformer_cli.tokenizer import PAD_ID, RECIPE, Vocabulary
 
+# Encoded splits cached before token ids were stored flat (tformer_cli/sequences.py) are not read
+CACHE_FORMAT = 2
+ENCODE_CHUNK = 100_000  # pairs tokenised at a time: their ids as Python lists are the peak memory
 TRAINING_ONLY = {"bpe_dropout"}  # data settings that change neither the vocabulary nor the cached encodings
 FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -204,15 +208,19 @@ def _columns(dataset, cfg: DataConfig) -> list[tuple[str, str]]:
 
 @dataclass
 class EncodedSplit:
-    """One split as token ids, with the raw texts kept for BLEU and generation."""
+    """One split as token ids (source: x_1 ... x_n </s>; target: <s> y_1 ... y_m </s>), with the raw
+    texts kept for BLEU and BPE-dropout. ``src`` and ``tgt`` may be given as lists of lists."""
 
-    src: list[list[int]]
-    tgt: list[list[int]]
+    src: Sequences
+    tgt: Sequences
     pairs: list[tuple[str, str]]
     dropped_empty: int = 0
     dropped_long: int = 0
     truncated: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.src, self.tgt = (s if isinstance(s, Sequences) else Sequences.from_lists(s) for s in (self.src, self.tgt))
 
     def __len__(self) -> int:
         return len(self.src)
@@ -238,20 +246,26 @@ def _stat(path: Path) -> Any:
 def encode_split(pairs: list[tuple[str, str]], vocab: Vocabulary, cfg: DataConfig) -> EncodedSplit:
     """Tokenise both sides in batches; drop empty pairs and drop or truncate over-long ones."""
     kept = [(s, t) for s, t in pairs if s.strip() and t.strip()]
-    src = vocab.encode_sources([s for s, _ in kept])
-    tgt = vocab.encode_targets([t for _, t in kept])
     out = EncodedSplit([], [], [], dropped_empty=len(pairs) - len(kept))
     limit = cfg.max_length
-    for s, t, pair in zip(src, tgt, kept):
-        if len(s) > limit or len(t) > limit:
-            if cfg.long_pairs == "drop":
-                out.dropped_long += 1
-                continue
-            s, t = s[: limit - 1] + s[-1:], t[: limit - 1] + t[-1:]  # keep the closing EOS
-            out.truncated += 1
-        out.src.append(s)
-        out.tgt.append(t)
-        out.pairs.append(pair)
+    src_parts, tgt_parts = [], []
+    for start in range(0, len(kept), ENCODE_CHUNK):
+        chunk = kept[start:start + ENCODE_CHUNK]
+        src_ids, tgt_ids = [], []
+        sources = vocab.encode_sources([s for s, _ in chunk])
+        for s, t, pair in zip(sources, vocab.encode_targets([t for _, t in chunk]), chunk):
+            if len(s) > limit or len(t) > limit:
+                if cfg.long_pairs == "drop":
+                    out.dropped_long += 1
+                    continue
+                s, t = s[: limit - 1] + s[-1:], t[: limit - 1] + t[-1:]  # keep the closing EOS
+                out.truncated += 1
+            src_ids.append(s)
+            tgt_ids.append(t)
+            out.pairs.append(pair)
+        src_parts.append(Sequences.from_lists(src_ids))
+        tgt_parts.append(Sequences.from_lists(tgt_ids))
+    out.src, out.tgt = Sequences.concat(src_parts), Sequences.concat(tgt_parts)
     return out
 
 
@@ -262,7 +276,7 @@ def resegment(split: EncodedSplit, vocab: Vocabulary, cfg: DataConfig) -> Encode
 
 def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary) -> EncodedSplit:
     """``load_pairs`` + ``encode_split``, cached on disk by data and tokenizer fingerprint."""
-    path = cache_dir() / "encoded" / f"{split}-{data_fingerprint(cfg, split, vocab.fingerprint())}.pkl"
+    path = cache_dir() / "encoded" / f"{split}-{data_fingerprint(cfg, split, vocab.fingerprint(), CACHE_FORMAT)}.pkl"
     if path.is_file():
         try:
             with path.open("rb") as f:
@@ -341,8 +355,8 @@ def token_batches(src_lengths: list[int], tgt_lengths: list[int], max_tokens: in
 
 def collate(split: EncodedSplit, indices: list[int]) -> Batch:
     """Pad one batch: sources to their longest, targets shifted into input and output."""
-    src = pad_sequences([split.src[i] for i in indices])
-    tgt = pad_sequences([split.tgt[i] for i in indices])
+    src = split.src.pad(indices, PAD_ID)
+    tgt = split.tgt.pad(indices, PAD_ID)
     tgt_out = tgt[:, 1:]
     return Batch(src, tgt[:, :-1], tgt_out, indices, int((tgt_out != PAD_ID).sum()))
 

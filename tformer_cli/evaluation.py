@@ -54,8 +54,7 @@ def evaluate_loss(model: torch.nn.Module, split: EncodedSplit, max_tokens: int,
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
-    for indices in token_batches([len(s) for s in split.src], [len(t) for t in split.tgt], max_tokens,
-                                 shuffle=False):
+    for indices in token_batches(split.src.lengths(), split.tgt.lengths(), max_tokens, shuffle=False):
         batch = collate(split, indices).to(device)
         _, nll = label_smoothed_loss(model, batch, 0.0)
         total += nll.item()

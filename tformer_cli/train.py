@@ -279,7 +279,7 @@ def _epoch_split(setup: _Setup) -> EncodedSplit:
 
 def _batches(data: EncodedSplit, max_tokens: int, seed: int = 0, epoch: int = 0,
              workers: Workers = Workers()) -> list[list[int]]:
-    lengths = [len(s) for s in data.src], [len(t) for t in data.tgt]
+    lengths = data.src.lengths(), data.tgt.lengths()
     return token_batches(*lengths, max_tokens, seed, epoch, rank=workers.rank, world_size=workers.size)
 
 

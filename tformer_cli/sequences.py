@@ -1,0 +1,65 @@
+"""Token id sequences stored flat: every id in one int32 tensor, and the offset where each sequence starts.
+
+A Python list of lists costs about 36 bytes a token (an 8-byte pointer and, for ids above 256, a
+28-byte int object); here a token costs 4. Multi30k repeated to 580,000 pairs held 2.3 GB as lists;
+WMT 2014 en-de's 4.5 M pairs would hold ~18 GB. A cached split also loads as two buffers instead of
+millions of objects, and a batch is padded by one gather instead of a loop over its rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+
+class Sequences:
+    """An immutable list of token id sequences: ``seqs[i]`` is a list of ints, ``len(seqs)`` their number."""
+
+    def __init__(self, ids: Tensor, offsets: Tensor) -> None:
+        self.ids = ids  # (total tokens,) int32
+        self.offsets = offsets  # (n + 1,) int64: sequence i is ids[offsets[i]:offsets[i + 1]]
+
+    @classmethod
+    def from_lists(cls, sequences: Iterable[list[int]]) -> "Sequences":
+        sequences = list(sequences)
+        lengths = torch.tensor([0] + [len(s) for s in sequences], dtype=torch.int64)
+        ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.int32)
+        return cls(ids, lengths.cumsum(0))
+
+    @classmethod
+    def concat(cls, parts: list["Sequences"]) -> "Sequences":
+        if not parts:
+            return cls.from_lists([])
+        starts = itertools.accumulate((p.ids.numel() for p in parts[:-1]), initial=0)
+        offsets = [parts[0].offsets[:1]] + [p.offsets[1:] + start for p, start in zip(parts, starts)]
+        return cls(torch.cat([p.ids for p in parts]), torch.cat(offsets))
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.ids[self.offsets[i]:self.offsets[i + 1]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for part in torch.split(self.ids, self.lengths()):
+            yield part.tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequences):
+            return NotImplemented
+        return torch.equal(self.offsets, other.offsets) and torch.equal(self.ids, other.ids)
+
+    def lengths(self) -> list[int]:
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
+    def pad(self, indices: list[int], pad_id: int) -> Tensor:
+        """Sequences ``indices`` as rows of a (len(indices), longest) int64 tensor, padded with ``pad_id``."""
+        rows = torch.as_tensor(indices, dtype=torch.int64)
+        starts = self.offsets[rows]
+        lengths = self.offsets[rows + 1] - starts  # (B,)
+        columns = torch.arange(int(lengths.max()))  # (L,)
+        positions = (starts[:, None] + columns).clamp_(max=max(self.ids.numel() - 1, 0))  # (B, L)
+        return self.ids[positions].long().masked_fill_(columns >= lengths[:, None], pad_id)
