@@ -173,6 +173,13 @@ def test_token_batches_respect_max_tokens_and_cover_every_example_once():
         assert len(batch) * max(max(src[i], tgt[i]) for i in batch) <= 200
     assert token_batches(src, tgt, 200, seed=1, epoch=0) == batches
     assert token_batches(src, tgt, 200, seed=1, epoch=1) != batches
+    # unshuffled, batches come in length order, and each is full: the next example would overflow it
+    ordered = token_batches(src, tgt, 200, shuffle=False)
+    longest = [[max(src[i], tgt[i]) for i in batch] for batch in ordered]
+    assert sum(longest, []) == sorted(sum(longest, []))
+    for batch, following in zip(longest, longest[1:]):
+        assert following[0] * (len(batch) + 1) > 200
+    assert token_batches([300, 2], [1, 2], 200, shuffle=False) == [[1], [0]]  # too long alone: a batch of one
     for world in (2, 3, 7):  # every process gets as many batches; the epoch's last len % world wait
         shards = [token_batches(src, tgt, 200, seed=1, epoch=0, rank=r, world_size=world) for r in range(world)]
         assert len({len(shard) for shard in shards}) == 1
