@@ -53,6 +53,11 @@ def test_local_dataset_folder_with_split_names(tmp_path):
 
 def test_bad_data_configs_give_clear_errors(tmp_path):
     good = _jsonl(tmp_path / "train.jsonl", ROWS)
+    nested = tmp_path / "nested.jsonl"
+    nested.write_text(json.dumps({"translation": {"de": "Haus", "en": "house"}}) + "\n")
+    with pytest.raises(DataError, match=r"data.source: field 'en' not in the dataset \(fields: translation.de, "
+                                        r"translation.en\); did you mean 'translation.en'\?"):
+        load_pairs(DataConfig(data_files={"train": str(nested)}, source="en", target="de"), "train")
     with pytest.raises(DataError, match=r"data.target: field 'fr' not in the dataset \(fields: de, en\)"):
         load_pairs(DataConfig(data_files={"train": good}, source="de", target="fr"), "train")
     with pytest.raises(DataError, match="data file not found: .*missing.jsonl"):

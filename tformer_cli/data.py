@@ -195,7 +195,9 @@ def _columns(dataset, cfg: DataConfig) -> list[tuple[str, str]]:
     flat = dataset.flatten()
     for key, name in (("data.source", cfg.source), ("data.target", cfg.target)):
         if name not in flat.column_names:
-            raise DataError(f"{key}: field '{name}' not in the dataset (fields: {', '.join(flat.column_names)})")
+            nested = [f for f in flat.column_names if f.endswith("." + name)]  # e.g. translation.de for de
+            hint = f"; did you mean '{nested[0]}'?" if len(nested) == 1 else ""
+            raise DataError(f"{key}: field '{name}' not in the dataset (fields: {', '.join(flat.column_names)}){hint}")
     columns = flat.select_columns([cfg.source, cfg.target]).to_dict()
     return [("" if s is None else str(s), "" if t is None else str(t))
             for s, t in zip(columns[cfg.source], columns[cfg.target])]
