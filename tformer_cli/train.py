@@ -96,6 +96,8 @@ class _Setup:
                 save_run_files(self.run_dir, self.config, self.vocab)
         notify("setup", {"message": "tokenising"})
         self.train_data = load_encoded(data, data.train_split, self.vocab)
+        if not data.bpe_dropout:  # its texts serve only to segment it afresh: 580,000 pairs' are 185 MiB
+            self.train_data.pairs = []
         if len(self.train_data) == 0:
             raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
                             "raise data.max_length or set data.long_pairs: truncate")
