@@ -101,7 +101,9 @@ class _Setup:
         if len(self.train_data) == 0:
             raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
                             "raise data.max_length or set data.long_pairs: truncate")
-        self.valid_data = load_encoded(data, data.validation_split, self.vocab) if data.validation_split else None
+        self.validates = data.validation_split is not None  # rank 0 validates; the others take its figures
+        self.valid_data = load_encoded(data, data.validation_split, self.vocab) \
+            if self.validates and self.workers.main else None
 
     def _restore(self) -> dict:
         checkpoints = step_checkpoints(self.run_dir)
@@ -248,7 +250,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                     _log(notify, run_dir, state, window, lr, total_steps, workers)
                 stop_reason = _stop_reason(cfg, state)
                 paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
-                if setup.valid_data is not None and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
+                if setup.validates and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
                     last_eval = _evaluate(setup, state, notify)
                     if cfg.patience and state.evals_without_improvement >= cfg.patience and not stop_reason:
                         stop_reason = f"no improvement in {cfg.patience} evaluations (early stopping)"
@@ -379,6 +381,6 @@ def _checkpoint(setup: _Setup, notify: Callback) -> None:
         with setup.ema.applied():
             save_weights(setup.model, setup.run_dir / CHECKPOINTS / "ema" / WEIGHTS,
                          {"step": str(state.step), "ema_decay": str(setup.ema.decay)})
-    if setup.valid_data is None:  # no validation: the latest weights are the run's weights
+    if not setup.validates:  # no validation: the latest weights are the run's weights
         save_weights(setup.model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
     notify("checkpoint", {"step": state.step, "path": str(path)})
