@@ -111,13 +111,13 @@ def test_an_unreachable_hub_loads_cached_datasets_at_once_and_fails_at_once_othe
     import socket
     import time
 
-    def no_dns(host, *args, **kwargs):
+    def no_dns(address, *args, **kwargs):
         raise socket.gaierror(-2, "Name or service not known")
 
     def no_retries(seconds):
         raise AssertionError("huggingface_hub retried the unreachable hub")
 
-    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(socket, "create_connection", no_dns)
     monkeypatch.setattr(time, "sleep", no_retries)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # the tests run in offline mode
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -132,6 +132,14 @@ def test_an_unreachable_hub_loads_cached_datasets_at_once_and_fails_at_once_othe
                                         r"\(no address for huggingface.co\) and the datasets cache has no copy"):
         load_pairs(DataConfig(dataset="someone/missing"), "train")
     assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == (False, False)
+
+    def firewalled(address, *args, **kwargs):  # the name resolves, the connection does not go through
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(socket, "create_connection", firewalled)
+    with pytest.raises(DataError, match=r"it is unreachable \(cannot connect to huggingface.co:443, "
+                                        r"ConnectionRefusedError\) and the datasets cache has no copy"):
+        load_pairs(DataConfig(dataset="someone/missing"), "train")
 
 
 def test_encode_split_drops_empty_and_drops_or_truncates_long_pairs():
