@@ -168,7 +168,8 @@ def _hub_unreachable() -> str | None:
     if datasets.config.HF_HUB_OFFLINE or any(os.environ.get(name) for name in proxies):
         return None
     endpoint = urlparse(datasets.config.HF_ENDPOINT)
-    host, port = endpoint.hostname or datasets.config.HF_ENDPOINT, endpoint.port or 443
+    host = endpoint.hostname or datasets.config.HF_ENDPOINT
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)  # HF_ENDPOINT may name a mirror
     try:
         socket.create_connection((host, port), timeout=3).close()
     except socket.gaierror:
