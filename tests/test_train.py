@@ -207,8 +207,9 @@ def test_stopping_by_epochs_and_time(tmp_path):
 
 
 def test_early_stopping_on_the_validation_metric(tmp_path):
+    # Adam at lr 1 makes validation worse (at 50 the weights turned NaN, which now stops the run as diverged)
     path = write_config(tmp_path / "p.yaml", train={"max_steps": 200, "eval_every": 1, "patience": 2,
-                                                    "lr": 50.0, "eval_bleu": False, "clip_grad_norm": None},
+                                                    "lr": 1.0, "eval_bleu": False, "clip_grad_norm": None},
                         data={"max_samples": 60})
     result = train(load_config(path), tmp_path / "run")
     assert "early stopping" in result.stop_reason
@@ -287,3 +288,29 @@ def test_bpe_dropout_resegments_the_training_split_every_epoch(tmp_path, monkeyp
                                                          [len(t) for t in drawn[0].tgt], 600))
     with pytest.raises(UsageError, match="data.bpe_dropout needs a single process"):
         train(load_config(path), tmp_path / "ddp", workers=Workers(0, 2))
+
+
+def test_a_diverged_run_stops_before_saving_and_keeps_its_good_checkpoints(tmp_path, monkeypatch):
+    import tformer_cli.train as training
+    from safetensors.torch import load_file
+
+    from tformer_cli.errors import DivergedError
+
+    calls = []
+
+    def poisoned(model, batch, *args):  # the third step's loss (and so its gradients) turns NaN
+        calls.append(1)
+        loss, nll = label_smoothed_loss(model, batch, *args)
+        return (loss * float("nan"), nll) if len(calls) == 3 else (loss, nll)
+
+    monkeypatch.setattr(training, "label_smoothed_loss", poisoned)
+    path = write_config(tmp_path / "d.yaml", train={"max_steps": 6, "save_every": 1, "log_every": 2,
+                                                    "clip_grad_norm": None})
+    with pytest.raises(DivergedError, match="training diverged at step 3: the weights are no longer finite; "
+                                            "the checkpoints saved before are kept"):
+        train(load_config(path), tmp_path / "run")  # step 3 is no log step: the checkpoint refuses to save it
+    saved = step_checkpoints(tmp_path / "run")
+    assert [c.name for c in saved] == ["step-00000001", "step-00000002"]
+    assert all(t.isfinite().all() for t in load_file(str(saved[-1] / "model.safetensors")).values())
+    resumed = train(load_config(tmp_path / "run" / "config.yaml", saved_run=True), tmp_path / "run", resume=True)
+    assert resumed.state.step == 6  # the run goes on from step 2 (the poisoned call is behind it)

@@ -21,6 +21,10 @@ class UsageError(TformerError):
     """A command-line argument is out of range or inconsistent."""
 
 
+class DivergedError(TformerError):
+    """Training diverged: the weights are no longer finite. The checkpoints saved before are kept."""
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (or its type's name), for a one-line error about it."""
     lines = str(exc).strip().splitlines()

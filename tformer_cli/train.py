@@ -23,7 +23,7 @@ from tformer_cli.config import Config, TrainConfig
 from tformer_cli.data import (
     EncodedSplit, absolute_paths, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary)
 from tformer_cli.ema import WeightEMA
-from tformer_cli.errors import CheckpointError, DataError, UsageError
+from tformer_cli.errors import CheckpointError, DataError, DivergedError, UsageError
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
@@ -247,7 +247,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 window["loss"] += nll_sum
                 window["tokens"] += group_tokens
                 if state.step % cfg.log_every == 0:  # callback
-                    _log(notify, run_dir, state, window, lr, total_steps, workers)
+                    _log(notify, run_dir, state, window, lr, total_steps, workers, model)
                 stop_reason = _stop_reason(cfg, state)
                 paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
                 if setup.validates and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
@@ -298,6 +298,19 @@ def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) ->
             "epoch": setup.state.epoch}
 
 
+def _check_finite(model: torch.nn.Module, step: int, loss: float | None = None) -> None:
+    """Stop a run whose weights have become inf or NaN before it logs on or saves them over good
+    checkpoints. (A single inf or NaN loss alone is not divergence: with fp16 the gradient scaler skips
+    that step.)"""
+    finite = torch.stack([p.detach().isfinite().all() for p in model.parameters()]).all()
+    if bool(finite):
+        return
+    logged = f" (loss {loss:.4g} over the last steps)" if loss is not None else ""
+    raise DivergedError(f"training diverged at step {step}: the weights are no longer finite{logged}; the "
+                        "checkpoints saved before are kept: resume from the last with a lower train.lr "
+                        "(tformer train --resume RUN --set train.lr=...), or set train.clip_grad_norm")
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -320,7 +333,7 @@ def _stop_reason(cfg: TrainConfig, state: TrainState) -> str | None:
 
 
 def _log(notify: Callback, run_dir: Path, state: TrainState, window: dict, lr: float, total: int | None,
-         workers: Workers) -> None:
+         workers: Workers, model: torch.nn.Module) -> None:
     now = time.perf_counter()
     nll_sum, = workers.sum(float(window["loss"]))  # the one host sync per log interval; window tokens: all's
     loss = nll_sum / max(window["tokens"], 1)
@@ -331,6 +344,7 @@ def _log(notify: Callback, run_dir: Path, state: TrainState, window: dict, lr: f
         append_jsonl(run_dir / "metrics.jsonl", {"split": "train", **record})
     notify("step", record)
     window.update(loss=0.0, tokens=0, start=now)
+    _check_finite(model, state.step, loss)
 
 
 def _evaluate(setup: _Setup, state: TrainState, notify: Callback) -> dict[str, Any]:
@@ -369,6 +383,7 @@ def _validate(setup: _Setup, step: int) -> dict[str, Any]:
 
 
 def _checkpoint(setup: _Setup, notify: Callback) -> None:
+    _check_finite(setup.model, setup.state.step)  # on every process, so that all of them stop together
     if not setup.workers.main:
         return
     state = setup.state
