@@ -176,3 +176,31 @@ def test_eval_output_is_not_created_when_the_run_fails_to_load(tmp_path):
     result = runner.invoke(app, ["eval", str(tmp_path / "no-run"), "--output", str(hyps)])
     assert result.exit_code == 1 and "no such run folder" in result.output
     assert not hyps.exists()
+
+
+def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, monkeypatch):
+    import torch
+
+    import tformer_cli.decoding as decoding
+    import tformer_cli.train as training
+    from conftest import write_config
+
+    def gpu_full(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def cpu_full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(training, "train", gpu_full)
+    monkeypatch.setattr(decoding, "translate", cpu_full)
+    config = write_config(tmp_path / "m.yaml")
+    for command, line in ((["train", str(config), "--output-dir", str(tmp_path / "run")],
+                           "error: out of GPU memory: lower train.max_tokens (raise train.grad_accum to keep the "
+                           "tokens a step); a run with checkpoints goes on with tformer train --resume RUN "
+                           "--set train.max_tokens=..."),
+                          (["generate", str(run_dir), "seven"],
+                           "error: out of CPU memory: lower --batch-size (sentences decoded together)")):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 1 and result.output.strip() == line, result.output
+    monkeypatch.setattr(decoding, "translate", lambda *args: 1 / 0)  # other errors are not hidden
+    assert isinstance(runner.invoke(app, ["generate", str(run_dir), "seven"]).exception, ZeroDivisionError)

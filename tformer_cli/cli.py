@@ -42,6 +42,29 @@ class _ErrorBoundary(TyperGroup):
 
             error_lines("interrupted")
             raise typer.Exit(130) from None
+        except RuntimeError as exc:  # out of memory: say which setting to lower, not where torch ran out
+            if not _out_of_memory(exc) or ctx.params.get("debug"):
+                raise
+            from tformer_cli.render import error_lines
+
+            where = "GPU" if type(exc).__name__ == "OutOfMemoryError" else "CPU"
+            error_lines(f"out of {where} memory: {OUT_OF_MEMORY.get(ctx.invoked_subcommand, 'use a smaller model')}")
+            raise typer.Exit(1) from None
+
+
+# What to lower when a command runs out of memory
+OUT_OF_MEMORY = {
+    "train": "lower train.max_tokens (raise train.grad_accum to keep the tokens a step); a run with "
+             "checkpoints goes on with tformer train --resume RUN --set train.max_tokens=...",
+    "eval": "lower --batch-size (sentences decoded together)",
+    "generate": "lower --batch-size (sentences decoded together)",
+    "inspect-attention": "use a shorter sentence",
+}
+
+
+def _out_of_memory(exc: RuntimeError) -> bool:
+    """torch's CUDA allocator raises OutOfMemoryError; its CPU allocator a RuntimeError saying so."""
+    return type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc)
 
 
 app = typer.Typer(
