@@ -128,7 +128,8 @@ def test_an_unreachable_hub_loads_cached_datasets_at_once_and_fails_at_once_othe
 
     pairs = load_pairs(DataConfig(dataset="someone/cached-pairs", source="en", target="de"), "train")
     assert pairs == [(r["en"], r["de"]) for r in ROWS[:3]]
-    with pytest.raises(DataError, match="'someone/missing' from the Hugging Face hub: it is unreachable "
+    with pytest.raises(DataError, match="'someone/missing': no such folder here .*, and from the Hugging Face "
+                                        "hub: it is unreachable "
                                         r"\(no address for huggingface.co\) and the datasets cache has no copy"):
         load_pairs(DataConfig(dataset="someone/missing"), "train")
     assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == (False, False)

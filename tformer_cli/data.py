@@ -134,7 +134,8 @@ def _load_named(name: str, subset: str | None, split: str):
         why = (f": it is unreachable ({unreachable}) and the datasets cache has no copy;" if unreachable
                else f" ({type(exc).__name__}); offline, or a folder elsewhere?")
         raise DataError(
-            f"could not load '{name}' from the Hugging Face hub{why} point at local data: "
+            f"could not load '{name}': no such folder here (relative paths start from the current directory), "
+            f"and from the Hugging Face hub{why} point at local data: "
             "train --set data.dataset=path/to/folder (or data.data_files), eval --data-files FILE"
         ) from exc
     if split not in dataset:
