@@ -350,6 +350,7 @@ def _log(notify: Callback, run_dir: Path, state: TrainState, window: dict, lr: f
 def _evaluate(setup: _Setup, state: TrainState, notify: Callback) -> dict[str, Any]:
     """Validation loss (and BLEU when configured), on rank 0; track the best weights and early stopping."""
     cfg, main = setup.config.train, setup.workers.main
+    _check_finite(setup.model, state.step)  # NaN weights would be the first run's "best"
     notify("evaluating", {"step": state.step})
     record = setup.workers.from_main(_validate(setup, state.step) if main else None)
     metric = -record["bleu"] if cfg.best_metric == "bleu" else record["loss"]
