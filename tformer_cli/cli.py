@@ -115,7 +115,8 @@ def train(
     from tformer_cli import parallel
     from tformer_cli.render import TrainProgress, print_json
     from tformer_cli.runtime import resolve_device
-    from tformer_cli.train import prepare_run, train as run_training
+    from tformer_cli.runs import prepare_run
+    from tformer_cli.train import train as run_training
 
     cfg, run_dir = prepare_run(config, resume, list(overrides or []), output_dir, overwrite,
                                main=parallel.launched_rank() == 0, device=device)

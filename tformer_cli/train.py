@@ -9,7 +9,6 @@ rank 0 logs, validates and saves.
 from __future__ import annotations
 
 import math
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import torch
 
 from tformer_cli.config import Config, TrainConfig
 from tformer_cli.data import (
-    EncodedSplit, absolute_paths, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary)
+    EncodedSplit, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary)
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, DivergedError, UsageError
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
@@ -115,63 +114,6 @@ class _Setup:
         self.state = TrainState(**saved["state"])
         set_rng_state(saved["rng"])
         return saved
-
-
-def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[str], output_dir: Path | None,
-                overwrite: bool = False, main: bool = True, device: str | None = None) -> tuple[Config, Path]:
-    """The config and run folder for a new run or a resumed one (checked and cleared by the ``main``
-    process only, when several train together), on ``device`` if given (else train.device).
-
-    Raises:
-        UsageError: neither or both of config and resume, a device that is not there (checked before
-            anything is cleared), or a new run would overwrite an old one.
-    """
-    from tformer_cli.config import load_config
-
-    if (config_path is None) == (resume is None):
-        raise UsageError("give either a CONFIG to start a run or --resume RUN_FOLDER to continue one")
-    if resume is not None:
-        if not (Path(resume) / "config.yaml").is_file():
-            raise CheckpointError(f"--resume {resume}: not a run folder (no config.yaml)")
-        config = load_config(Path(resume) / "config.yaml", overrides, saved_run=True)
-        if overrides:
-            _refuse_fixed_changes(load_config(Path(resume) / "config.yaml", saved_run=True), config)
-        config.name, run_dir = Path(resume).name, Path(resume)
-    else:
-        config = load_config(config_path, overrides)
-        run_dir = Path(output_dir or config.train.output_dir or Path("runs") / config.name)
-    config.train.device = device or config.train.device  # recorded in the run's config.yaml
-    resolve_device(config.train.device)
-    if resume is None and main:
-        _clear_for_new_run(run_dir, overwrite)
-    config.data = absolute_paths(config.data)  # the run's config.yaml then works from any directory
-    return config, run_dir
-
-
-def _clear_for_new_run(run_dir: Path, overwrite: bool) -> None:
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not (run_dir / "config.yaml").is_file():  # --overwrite deletes runs only, never other folders
-            raise UsageError(f"{run_dir} is not empty and holds no tformer run; pick a new or empty --output-dir")
-        if not overwrite:
-            raise UsageError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, "
-                             "or pass --overwrite or another --output-dir")
-        shutil.rmtree(run_dir)
-
-
-# What a resumed run may change: its regularisation, not the weights' shapes or the vocabulary it learned.
-_RESUMABLE_MODEL_KEYS = ("dropout", "attention_dropout", "word_dropout")
-_VOCABULARY_KEYS = ("vocab_size", "joint_vocab", "min_frequency", "lowercase")
-
-
-def _refuse_fixed_changes(saved: Config, config: Config) -> None:
-    """UsageError when overrides on --resume change the model or the vocabulary of the run."""
-    fixed = [("model", key) for key in vars(saved.model) if key not in _RESUMABLE_MODEL_KEYS]
-    fixed += [("data", key) for key in _VOCABULARY_KEYS]
-    for section, key in fixed:
-        before, after = getattr(getattr(saved, section), key), getattr(getattr(config, section), key)
-        if before != after:
-            raise UsageError(f"--set {section}.{key}={after}: a resumed run keeps its {section}.{key} ({before}); "
-                             "start a new run (tformer train CONFIG) to change it")
 
 
 def train(config: Config, run_dir: Path, resume: bool = False, callback: Callback | None = None,

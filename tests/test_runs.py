@@ -1,0 +1,47 @@
+from pathlib import Path
+
+import pytest
+
+from conftest import write_config
+from tformer_cli.config import load_config
+from tformer_cli.errors import UsageError
+from tformer_cli.runs import prepare_run
+from tformer_cli.runtime import step_checkpoints
+from tformer_cli.train import train
+
+
+def test_a_new_run_never_overwrites_an_old_one(tmp_path):
+    path = write_config(tmp_path / "o.yaml", train={"max_steps": 1})
+    train(load_config(path), tmp_path / "run")
+    with pytest.raises(UsageError, match="already holds a run; continue it with --resume"):
+        prepare_run(path, None, [], tmp_path / "run")
+    with pytest.raises(UsageError, match="either a CONFIG"):
+        prepare_run(None, None, [], None)
+    with pytest.raises(UsageError, match="--device gpu: expected auto, cpu or cuda"):  # checked before clearing
+        prepare_run(path, None, [], tmp_path / "run", overwrite=True, device="gpu")
+    assert step_checkpoints(tmp_path / "run")
+    config, run_dir = prepare_run(path, None, [], tmp_path / "run", overwrite=True)
+    assert not run_dir.exists()
+    other = tmp_path / "not-a-run"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(UsageError, match="is not empty and holds no tformer run"):
+        prepare_run(path, None, [], other, overwrite=True)
+    assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_a_runs_config_finds_its_local_data_from_any_directory(tmp_path, monkeypatch):
+    files = {"train": "data/numbers/train.jsonl", "validation": ["data/numbers/validation.jsonl", "nope.jsonl"]}
+    path = write_config(tmp_path / "rel.yaml", data={"data_files": files})
+    config, _ = prepare_run(path, None, [], tmp_path / "run")
+    here = Path.cwd()
+    assert config.data.dataset == str(here / "data/numbers")
+    assert config.data.data_files == {"train": str(here / "data/numbers/train.jsonl"),
+                                      "validation": [str(here / "data/numbers/validation.jsonl"), "nope.jsonl"]}
+    config, _ = prepare_run(path, None, ["data.dataset=bentrevett/multi30k"], tmp_path / "run")
+    assert config.data.dataset == "bentrevett/multi30k"  # a hub id is not a path here
+    # a run saved with a relative path (before paths were made absolute), resumed where it is missing
+    train(load_config(write_config(tmp_path / "tiny.yaml", train={"max_steps": 1})), tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    config, _ = prepare_run(None, tmp_path / "run", [], None)
+    assert config.data.dataset == "data/numbers"  # kept as written
