@@ -1,5 +1,6 @@
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +127,28 @@ def test_a_run_saved_before_attention_bias_existed_loads_with_biases(trained_run
     assert model.decoder.layers[0].cross_attn.kv_proj.bias is not None
     for (name, ours), theirs in zip(model.state_dict().items(), biased.state_dict().values()):
         torch.testing.assert_close(ours, theirs, msg=name)
+
+
+class _Payload:
+    """Unpickling it would create a file: what a booby-trapped trainer.pt could do instead."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_resuming_reads_trainer_state_without_running_code_from_it(tmp_path):
+    from tformer_cli.runtime import load_trainer_state
+
+    checkpoint = tmp_path / "step-00000001"
+    checkpoint.mkdir()
+    marker = tmp_path / "code-ran"
+    torch.save({"optimizer": {}, "state": {}, "rng": _Payload(marker)}, checkpoint / "trainer.pt")
+    with pytest.raises(CheckpointError, match="unreadable trainer state .*resume from an earlier checkpoint"):
+        load_trainer_state(checkpoint)
+    assert not marker.exists()
+    torch.save({"optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}}, "state": {"step": 1},
+                "rng": {"python": (3, (1, 2), None), "torch": torch.get_rng_state()}}, checkpoint / "trainer.pt")
+    assert load_trainer_state(checkpoint)["state"] == {"step": 1}

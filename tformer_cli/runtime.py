@@ -156,11 +156,13 @@ def step_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def load_trainer_state(checkpoint: Path | str) -> dict[str, Any]:
+    """Optimizer, step and RNG state, read as plain tensors and containers only (``weights_only``): a
+    run folder from elsewhere cannot run code when it is resumed, as the weights are safetensors."""
     try:
-        return torch.load(Path(checkpoint) / TRAINER, map_location="cpu", weights_only=False)
+        return torch.load(Path(checkpoint) / TRAINER, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"{checkpoint}: unreadable trainer state ({exc}); resume from an earlier "
-                              "checkpoint by deleting this one") from exc
+        raise CheckpointError(f"{checkpoint}: unreadable trainer state ({first_line(exc)}); resume from an "
+                              "earlier checkpoint by deleting this one") from exc
 
 
 def save_run_files(run_dir: Path, config: Config, vocab: Vocabulary) -> None:
