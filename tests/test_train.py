@@ -280,3 +280,19 @@ def test_a_diverged_run_stops_before_saving_and_keeps_its_good_checkpoints(tmp_p
     assert not (tmp_path / "run" / "model.safetensors").exists()  # a first validation of NaN weights: no "best"
     resumed = train(load_config(tmp_path / "run" / "config.yaml", saved_run=True), tmp_path / "run", resume=True)
     assert resumed.state.step == 6  # the run goes on from step 2 (the poisoned call is behind it)
+
+
+def test_fp16_loss_scale_is_kept_across_a_resume(tmp_path):
+    from tformer_cli.runtime import TRAINER
+
+    path = write_config(tmp_path / "f.yaml", train={"max_steps": 2, "save_every": 2, "precision": "fp16"})
+    train(load_config(path), tmp_path / "run")
+    checkpoint = step_checkpoints(tmp_path / "run")[-1] / TRAINER
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["scaler"]["scale"] == 65536.0  # the initial scale: no overflow, no growth in 2 steps
+    saved["scaler"]["scale"] = 1024.0  # as if overflows had lowered it
+    torch.save(saved, checkpoint)
+    train(load_config(tmp_path / "run" / "config.yaml", ["train.max_steps=4"], saved_run=True), tmp_path / "run",
+          resume=True)
+    resumed = torch.load(step_checkpoints(tmp_path / "run")[-1] / TRAINER, weights_only=True)
+    assert resumed["state"]["step"] == 4 and resumed["scaler"]["scale"] == 1024.0  # not reset to 65536

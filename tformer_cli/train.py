@@ -74,6 +74,8 @@ class _Setup:
         seed_everything(config.train.seed)  # the same initial weights in every process
         self.model = build_model(config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(device)
         self.optimizer = make_optimizer(self.model, config.train, device)
+        # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
+        self.scaler = torch.amp.GradScaler(device.type, enabled=config.train.precision == "fp16")
         self.state, saved = TrainState(), {}
         if resume:
             saved = self._restore()
@@ -111,6 +113,8 @@ class _Setup:
         saved = load_trainer_state(checkpoints[-1])
         load_weights(self.model, checkpoints[-1] / WEIGHTS)
         self.optimizer.load_state_dict(saved["optimizer"])
+        if self.scaler.is_enabled() and "scaler" in saved:
+            self.scaler.load_state_dict(saved["scaler"])
         self.state = TrainState(**saved["state"])
         set_rng_state(saved["rng"])
         return saved
@@ -137,7 +141,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     slow = slow_precision(device, cfg.precision)
     if slow:
         notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    scaler = setup.scaler
     steps_per_epoch = math.ceil(len(_batches(data, cfg.max_tokens, workers=workers)) / cfg.grad_accum)
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, total_steps))
@@ -333,6 +337,8 @@ def _checkpoint(setup: _Setup, notify: Callback) -> None:
     trainer_state = {"optimizer": setup.optimizer.state_dict(), "state": asdict(state), "rng": rng_state()}
     if setup.ema is not None:
         trainer_state["ema"] = setup.ema.state_dict()
+    if setup.scaler.is_enabled():
+        trainer_state["scaler"] = setup.scaler.state_dict()
     path = save_checkpoint(setup.run_dir, state.step, setup.model, trainer_state, setup.config.train.keep_last)
     if setup.ema is not None:  # the average as a checkpoint of its own, for eval and generate
         (setup.run_dir / CHECKPOINTS / "ema").mkdir(exist_ok=True)
