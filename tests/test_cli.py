@@ -204,3 +204,37 @@ def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, mon
         assert result.exit_code == 1 and result.output.strip() == line, result.output
     monkeypatch.setattr(decoding, "translate", lambda *args: 1 / 0)  # other errors are not hidden
     assert isinstance(runner.invoke(app, ["generate", str(run_dir), "seven"]).exception, ZeroDivisionError)
+
+
+def test_an_error_during_training_stops_the_live_progress_display(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import tformer_cli.render as render
+    import tformer_cli.train as training
+    from conftest import write_config
+    from tformer_cli.errors import DivergedError
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(render, "err_console", Console(file=terminal, force_terminal=True))
+    displays = []
+
+    class Recorded(render.TrainProgress):
+        def _on_start(self, data):
+            super()._on_start(data)
+            displays.append(self.progress)
+
+    def diverging(config, run_dir, resume, callback, workers):
+        callback("start", {"run_dir": str(run_dir), "device": "cpu", "processes": 1, "resumed_at": 0,
+                           "parameters": 10, "train_pairs": 5, "validation_pairs": 0, "dropped_long": 0,
+                           "dropped_empty": 0, "truncated": 0, "steps_per_epoch": 1, "total_steps": 4,
+                           "vocab_size": 20, "epoch": 0})
+        raise DivergedError("training diverged at step 1: the weights are no longer finite")
+
+    monkeypatch.setattr(render, "TrainProgress", Recorded)
+    monkeypatch.setattr(training, "train", diverging)
+    result = runner.invoke(app, ["train", str(write_config(tmp_path / "t.yaml")), "--output-dir",
+                                 str(tmp_path / "run")])
+    assert result.exit_code == 1 and "training diverged at step 1" in terminal.getvalue()
+    assert len(displays) == 1 and not displays[0].live.is_started  # stopped, so the error prints below it

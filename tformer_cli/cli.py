@@ -121,10 +121,11 @@ def train(
     cfg, run_dir = prepare_run(config, resume, list(overrides or []), output_dir, overwrite,
                                main=parallel.launched_rank() == 0, device=device)
     workers = parallel.join(resolve_device(cfg.train.device))  # under torchrun: one of several processes
+    progress = TrainProgress(quiet or json_output)
     try:
-        result = run_training(cfg, run_dir, resume=resume is not None, callback=TrainProgress(quiet or json_output),
-                              workers=workers)
+        result = run_training(cfg, run_dir, resume=resume is not None, callback=progress, workers=workers)
     finally:
+        progress.close()
         parallel.leave()
     if json_output and workers.main:
         print_json({"run_dir": str(run_dir), "stop_reason": result.stop_reason, "step": result.state.step,

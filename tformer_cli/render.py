@@ -150,9 +150,14 @@ class TrainProgress:
         err_console.print(f"step {data['step']:,}: validation loss {data['loss']:.4f} · "
                                     f"ppl {data['ppl']:.2f}{extra}{star}")
 
-    def _on_end(self, data: dict[str, Any]) -> None:
+    def close(self) -> None:
+        """Stop the live display: at the end, and when training stops on an error (printed below it)."""
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
+
+    def _on_end(self, data: dict[str, Any]) -> None:
+        self.close()
         state = data["state"]
         table = Table(title=f"training finished: {data['stop_reason']}", title_justify="left", box=box.SIMPLE_HEAD)
         table.add_column("figure")
