@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tformer_cli.model import gemm
+
 CHUNK_TOKENS = 512  # on CPU: (512 x 37,000) fp32 logits are 72 MiB; 1,024 was no faster and doubled them
 GPU_CHUNK_TOKENS = 8192  # on a GPU, fewer and larger matrix products keep it busy
 
@@ -44,9 +46,10 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         n = target.shape[0]
         chunk = CHUNK_TOKENS if hidden.device.type == "cpu" else GPU_CHUNK_TOKENS
         chunk = chunk // 2 if rdrop else chunk  # both passes' rows of a chunk are projected together
-        # every chunk's logits go to one buffer: a new one per chunk ran the product ~10 % slower (on a
-        # CPU), and held two chunks' logits at once
-        buffer = hidden.new_empty((min(n, chunk) * (2 if rdrop else 1), weight.shape[0]), dtype=accumulate)
+        # torch's products write every chunk's logits into one buffer (into a new one per chunk they ran
+        # ~10 % slower on a CPU); oneDNN's have no out= form, and each chunk's are freed before the next
+        buffer = None if gemm.onednn_applies(hidden, weight) else \
+            hidden.new_empty((min(n, chunk) * (2 if rdrop else 1), weight.shape[0]), dtype=accumulate)
         if not rdrop:  # the mean logit of a row is h . mean_weight
             mean_weight = weight.to(accumulate).mean(dim=0, keepdim=True).T  # (d, 1)
         want_grad = grad_hidden is not None or grad_weight is not None
@@ -54,7 +57,7 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
             stop = min(start + chunk, n)
             rows = [slice(start, stop), slice(n + start, n + stop)] if rdrop else [slice(start, stop)]
             h = (hidden[rows[0]] if len(rows) == 1 else torch.cat([hidden[r] for r in rows])).to(compute)
-            logits = _project(h, w, buffer[:h.shape[0]])  # (rows, V)
+            logits = _project(h, w, buffer)  # (rows, V)
             t = target[rows[0], None]
             if rdrop:
                 chunk_loss, chunk_nll, grad = _rdrop_logit_grad(logits, t, smoothing, rdrop, want_grad)
@@ -65,6 +68,7 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
             nll_total += chunk_nll
             if grad is not None:
                 _backpropagate(grad.to(compute), h, w, rows, grad_hidden, grad_weight)
+            logits = grad = None  # not alive while the next chunk's are made
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(nll_total)
@@ -80,8 +84,12 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def _project(h: Tensor, w: Tensor, out: Tensor) -> Tensor:
-    """out = h @ w^T, converted to out's dtype where the product runs in a lower one."""
+def _project(h: Tensor, w: Tensor, buffer: Tensor | None) -> Tensor:
+    """h (rows, d) @ w^T: a new tensor from oneDNN (``buffer`` None), else written into the first rows
+    of ``buffer`` and converted to its dtype where the product runs in a lower one."""
+    if buffer is None:
+        return gemm.linear(h, w)
+    out = buffer[:h.shape[0]]
     if h.dtype == out.dtype:
         return torch.mm(h, w.T, out=out)
     return out.copy_(h @ w.T)
@@ -143,10 +151,12 @@ def _backpropagate(grad: Tensor, h: Tensor, w: Tensor, rows: list[slice], grad_h
     """From a chunk's logit gradient grad (m, V): write the hidden-state gradient of its rows (h (m, d)
     stacks them in order) into grad_hidden, and add the weight gradient to grad_weight (V, d)."""
     if grad_hidden is not None:
-        for r, part in zip(rows, (grad @ w).split([r.stop - r.start for r in rows])):
+        for r, part in zip(rows, gemm.linear(grad, w.t()).split([r.stop - r.start for r in rows])):
             grad_hidden[r] = part
     if grad_weight is not None:
-        if grad.dtype == grad_weight.dtype:
+        if gemm.onednn_applies(grad, h, grad_weight):
+            grad_weight += gemm.linear(h.t().contiguous(), grad.t()).t()
+        elif grad.dtype == grad_weight.dtype:
             grad_weight.addmm_(grad.T, h)
         else:
             grad_weight += (grad.T @ h).to(grad_weight.dtype)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tformer_cli.model import gemm
+
 # torch's own (underscored) ops behind torch.compile's CPU weight packing; where absent, F.linear
 PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # oneDNN's bf16 products need AVX-512 (or AVX-NE-CONVERT); elsewhere torch's op raises instead
@@ -66,7 +68,7 @@ class Linear(nn.Linear):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _unpacked(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = gemm.linear(x, self.weight, self.bias)
         if self.activation == "relu" and not torch.is_grad_enabled():
             return out.relu_()  # in place at inference (an encoder batch: +2 % greedy); training keeps relu
         return ACTIVATIONS[self.activation](out) if self.activation else out

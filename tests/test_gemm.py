@@ -1,0 +1,103 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tformer_cli.model import gemm
+from tformer_cli.config import ModelConfig
+from tformer_cli.loss import linear_smoothed_cross_entropy
+from tformer_cli.model import build_model
+
+pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="torch built without oneDNN")
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    """Products on oneDNN whatever this CPU's rule says."""
+    monkeypatch.setattr(gemm, "use_onednn", lambda: True)
+
+
+def _grads(x, weight, bias, product):
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None for t in (x, weight, bias)]
+    out = product(*leaves)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+@pytest.mark.parametrize("in_features,out_features", [(24, 40), (40, 24)])  # both weight-gradient routes
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_and_its_gradients_equal_f_linear(in_features, out_features, bias, onednn):
+    x = torch.randn(3, 7, in_features, requires_grad=True)
+    weight = torch.randn(out_features, in_features, requires_grad=True)
+    b = torch.randn(out_features, requires_grad=True) if bias else None
+    assert gemm.onednn_applies(x, weight)
+    ours, our_grads = _grads(x, weight, b, gemm.linear)
+    theirs, their_grads = _grads(x, weight, b, F.linear)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    for mine, reference in zip(our_grads, their_grads):
+        torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+    assert our_grads[1].is_contiguous()
+
+
+def test_linear_gradient_for_the_input_only_and_the_weight_only(onednn):
+    x, weight = torch.randn(5, 8), torch.randn(6, 8)
+    for wants in ((True, False), (False, True)):
+        ours, our_grads = _grads(x.requires_grad_(wants[0]), weight.requires_grad_(wants[1]), None, gemm.linear)
+        theirs, their_grads = _grads(x, weight, None, F.linear)
+        for mine, reference in zip(our_grads[:2], their_grads[:2]):
+            assert (mine is None) == (reference is None)
+            if mine is not None:
+                torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_where_products_go(monkeypatch):
+    monkeypatch.setattr(gemm, "CHOICE", "auto")
+    for vendor, expected in (("AuthenticAMD", True), ("GenuineIntel", False), (None, False)):
+        gemm.use_onednn.cache_clear()
+        monkeypatch.setattr(gemm, "_cpu_vendor", lambda: vendor)
+        monkeypatch.setattr(gemm.platform, "machine", lambda: "x86_64")
+        assert gemm.use_onednn() == (expected and torch.backends.mkl.is_available())
+    for choice, expected in (("torch", False), ("onednn", True)):
+        gemm.use_onednn.cache_clear()
+        monkeypatch.setattr(gemm, "CHOICE", choice)
+        assert gemm.use_onednn() is expected
+    gemm.use_onednn.cache_clear()
+
+
+def test_not_for_other_dtypes_or_under_autocast(onednn):
+    x, weight = torch.randn(4, 8), torch.randn(3, 8)
+    assert gemm.onednn_applies(x, weight)
+    assert not gemm.onednn_applies(x.double(), weight.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not gemm.onednn_applies(x, weight)
+
+
+def test_the_fused_loss_on_onednn_equals_cross_entropy_in_float64(onednn):
+    hidden = torch.randn(700, 16, requires_grad=True)  # two chunks of the CPU's 512 tokens
+    weight = torch.randn(50, 16, requires_grad=True)
+    target = torch.randint(0, 50, (700,))
+    loss, _ = linear_smoothed_cross_entropy(hidden, weight, target, 0.1)
+    loss.backward()
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    expected = F.cross_entropy(h64 @ w64.T, target, label_smoothing=0.1, reduction="sum")
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_training_step_on_onednn_matches_torchs_products(monkeypatch):
+    cfg = ModelConfig(d_model=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=64, dropout=0.0,
+                      max_len=32)
+    model = build_model(cfg, 60)
+    src, tgt = torch.randint(4, 60, (3, 9)), torch.randint(4, 60, (3, 7))
+    results = []
+    for choice in (True, False):
+        monkeypatch.setattr(gemm, "use_onednn", lambda choice=choice: choice)
+        model.zero_grad()
+        hidden = model.decode(tgt, model.encode(src)).hidden
+        loss, _ = linear_smoothed_cross_entropy(hidden.flatten(0, 1), model.output_proj.weight, tgt.flatten(), 0.1)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,103 @@
+"""fp32 matrix products on oneDNN, on CPUs where it beats torch's default BLAS.
+
+Torch multiplies fp32 matrices on a CPU with MKL, and MKL does not run its AVX-512 kernels on AMD
+CPUs: on a 2-core AMD EPYC (Zen 5) it multiplied 1,536 x 256 by 256 x 1,024 at 213 GFLOP/s, where
+oneDNN, which torch also ships, reached 476 from the same unpacked weight (on a Zen 4 EPYC 190 against
+~220; on an Intel Xeon the two were within 10 %). So on x86 CPUs not made by Intel, ``linear`` runs
+on oneDNN, its gradients too (``_Linear``), as does the fused loss's vocabulary product; on Intel
+CPUs, under autocast (whose bf16 products torch already sends to oneDNN) and off the CPU it is
+``F.linear``.
+
+oneDNN's entry point is torch's ``mkldnn._linear_pointwise`` (behind torch.compile's CPU linear
+layers): x @ w^T for a row-major x and a w of any strides, so a product with a transposed factor
+passes the transpose as a view. Only its first operand is copied when not row-major.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# TFORMER_GEMM=onednn or =torch overrides the choice below (tests, and users comparing the two)
+CHOICE = os.environ.get("TFORMER_GEMM", "auto")
+
+
+def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., k) @ weight (n, k)^T + bias on oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.cache
+def use_onednn() -> bool:
+    """Whether fp32 products go to oneDNN: on x86 CPUs not made by Intel, where torch's BLAS is MKL.
+    A rule, not a timing, so that every process of a run (and a resumed run) multiplies alike."""
+    if not AVAILABLE or CHOICE in ("torch", "onednn"):
+        return AVAILABLE and CHOICE == "onednn"
+    return torch.backends.mkl.is_available() and platform.machine() in ("x86_64", "AMD64") \
+        and _cpu_vendor() not in (None, "GenuineIntel")
+
+
+def _cpu_vendor() -> str | None:
+    """The x86 vendor string (GenuineIntel, AuthenticAMD, ...), from /proc/cpuinfo; None elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def onednn_applies(*tensors: Tensor) -> bool:
+    """Whether a product of these tensors goes to oneDNN: fp32 on a CPU, outside autocast, where
+    ``use_onednn``."""
+    return (all(t.is_cpu and t.dtype == torch.float32 for t in tensors) and not torch.is_autocast_enabled("cpu")
+            and use_onednn())
+
+
+class _Linear(torch.autograd.Function):
+    """y = x W^T + b with its three gradients on oneDNN: dx = dy W, dW = dy^T x, db = sum(dy)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # noqa: ANN001
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _onednn(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: ANN001
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _onednn(grad, weight.t())  # (..., in)
+        if ctx.needs_input_grad[1]:
+            grad_weight = weight_gradient(grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0)
+        return grad_x, grad_weight, grad_bias
+
+
+def weight_gradient(grad: Tensor, x: Tensor) -> Tensor:
+    """grad (N, out)^T @ x (N, in) -> (out, in), contiguous. oneDNN wants its first operand row-major,
+    so the smaller of the two is transposed into a copy (x^T when out >= in, then the result)."""
+    if grad.shape[1] < x.shape[1]:
+        return _onednn(grad.t().contiguous(), x.t())
+    return _onednn(x.t().contiguous(), grad.t()).t().contiguous()
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``, on oneDNN where it is faster (module docstring)."""
+    if not onednn_applies(x, weight) or x.numel() == 0:
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _Linear.apply(x, weight, bias)
+    return _onednn(x, weight, bias)
