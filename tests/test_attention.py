@@ -32,6 +32,23 @@ def test_sdpa_matches_torch_reference_on_both_paths(shape, masked):
     torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, T))
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_query_at_inference_takes_two_products_and_equals_torchs_kernel(masked, monkeypatch):
+    q, k, v = torch.randn(6, 4, 1, 8), torch.randn(6, 4, 9, 8), torch.randn(6, 4, 9, 8)
+    tokens = torch.randint(1, 9, (6, 9))
+    tokens[1, 5:] = 0
+    mask = padding_mask(tokens, 0) if masked else None
+    reference = SDPA(q, k, v, attn_mask=mask)
+    calls = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or SDPA(*a, **kw))
+    with torch.no_grad():
+        out, _ = scaled_dot_product_attention(q, k, v, mask)
+        strided, _ = scaled_dot_product_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, mask)
+    torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(strided, reference, atol=1e-6, rtol=1e-5)
+    assert len(calls) == 1  # only the strided keys went to torch's kernel
+
+
 def test_additive_mask_equals_boolean_mask():
     q, k, v = (torch.randn(2, 2, 4, 8) for _ in range(3))
     keep = torch.tensor([True, True, False, True])

@@ -51,7 +51,7 @@ def scaled_dot_product_attention(
     Returns:
         (output (B, H, T_q, d_k), weights or None).
     """
-    if not need_weights and not (q.device.type == "cpu" and dropout_p > 0):
+    if not need_weights and not (q.device.type == "cpu" and dropout_p > 0) and not _one_query_on_cpu(q, k):
         # Fast path: fused kernels (flash / memory-efficient on CUDA, a fused CPU kernel otherwise). With
         # dropout on CPU torch falls back to the steps below, with a slower dropout (see model/dropout.py).
         if is_causal and mask is not None:
@@ -78,6 +78,15 @@ def scaled_dot_product_attention(
     weights = scores.softmax(dim=-1)
     out = dropout(weights, dropout_p) @ v  # (B, H, T_q, d_k)
     return out, weights if need_weights else None
+
+
+def _one_query_on_cpu(q: Tensor, k: Tensor) -> bool:
+    """Whether this is one fp32 query per row against contiguous keys at inference on a CPU: greedy
+    decoding's cross-attention (see ``DecoderLayerCache``). There the steps below beat torch's fused
+    kernel, whose blocks read keys and values that the step's other layers have evicted from cache:
+    for 64 rows x 4 heads x 24 keys after a 64 MB sweep, 201 against 251 us (2-core AMD EPYC)."""
+    return (q.device.type == "cpu" and q.shape[-2] == 1 and q.dtype == k.dtype == torch.float32
+            and k.is_contiguous() and not torch.is_grad_enabled())
 
 
 def _fp32_on_cpu(q: Tensor, k: Tensor, dropout_p: float) -> bool:

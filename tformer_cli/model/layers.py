@@ -154,8 +154,9 @@ class DecoderLayerCache:
 
     def __init__(self, memory_kv: tuple[Tensor, Tensor], capacity: int) -> None:
         self.self_kv = KVCache(capacity)
-        # cross-attention K/V, (B, H, S, d_k) each: fixed per source
-        self.memory_kv = tuple(t.to(cache_dtype(t)) for t in memory_kv)
+        # cross-attention K/V, (B, H, S, d_k) each: fixed per source, made contiguous once (they are views
+        # of the fused K/V projection) so that every step reads each head's keys as one block
+        self.memory_kv = tuple(t.to(cache_dtype(t)).contiguous() for t in memory_kv)
 
     def select_memory(self, index: Tensor) -> None:
         """Keep the cross-attention K/V of sources ``index``."""
