@@ -12,8 +12,9 @@ pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="torch built without 
 
 @pytest.fixture
 def onednn(monkeypatch):
-    """Products on oneDNN whatever this CPU's rule says."""
+    """Products on oneDNN whatever this CPU's rule says, however small."""
     monkeypatch.setattr(gemm, "use_onednn", lambda: True)
+    monkeypatch.setattr(gemm, "MIN_PRODUCT", 0)
 
 
 def _grads(x, weight, bias, product):
@@ -25,12 +26,16 @@ def _grads(x, weight, bias, product):
 
 @pytest.mark.parametrize("in_features,out_features", [(24, 40), (40, 24)])  # both weight-gradient routes
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_and_its_gradients_equal_f_linear(in_features, out_features, bias, onednn):
+def test_linear_and_its_gradients_equal_f_linear(in_features, out_features, bias, onednn, monkeypatch):
     x = torch.randn(3, 7, in_features, requires_grad=True)
     weight = torch.randn(out_features, in_features, requires_grad=True)
     b = torch.randn(out_features, requires_grad=True) if bias else None
     assert gemm.onednn_applies(x, weight)
+    calls = []
+    onednn_product = gemm._onednn
+    monkeypatch.setattr(gemm, "_onednn", lambda *args: calls.append(1) or onednn_product(*args))
     ours, our_grads = _grads(x, weight, b, gemm.linear)
+    assert len(calls) == 3  # y, dx and dW
     theirs, their_grads = _grads(x, weight, b, F.linear)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     for mine, reference in zip(our_grads, their_grads):
@@ -90,6 +95,7 @@ def test_a_training_step_on_onednn_matches_torchs_products(monkeypatch):
                       max_len=32)
     model = build_model(cfg, 60)
     src, tgt = torch.randint(4, 60, (3, 9)), torch.randint(4, 60, (3, 7))
+    monkeypatch.setattr(gemm, "MIN_PRODUCT", 0)
     results = []
     for choice in (True, False):
         monkeypatch.setattr(gemm, "use_onednn", lambda choice=choice: choice)

@@ -26,6 +26,10 @@ from torch import Tensor
 AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # TFORMER_GEMM=onednn or =torch overrides the choice below (tests, and users comparing the two)
 CHOICE = os.environ.get("TFORMER_GEMM", "auto")
+# Below about a million multiply-adds MKL's smaller call overhead wins: 17.6 against 20.3 us for 384 x 32
+# by 32 x 64, 23.0 against 20.3 for 384 x 32 by 32 x 96 (Zen 5 EPYC); a d_model-32 model trained 12 %
+# slower on oneDNN, a d_model-128 one 44 % faster.
+MIN_PRODUCT = 2**20
 
 
 def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -95,7 +99,7 @@ def weight_gradient(grad: Tensor, x: Tensor) -> Tensor:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, on oneDNN where it is faster (module docstring)."""
-    if not onednn_applies(x, weight) or x.numel() == 0:
+    if not onednn_applies(x, weight) or x.numel() * weight.shape[0] < MIN_PRODUCT:
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
