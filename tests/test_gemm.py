@@ -68,12 +68,14 @@ def test_where_products_go(monkeypatch):
     gemm.use_onednn.cache_clear()
 
 
-def test_not_for_other_dtypes_or_under_autocast(onednn):
+def test_not_for_other_dtypes_under_autocast_or_while_compiling(onednn, monkeypatch):
     x, weight = torch.randn(4, 8), torch.randn(3, 8)
     assert gemm.onednn_applies(x, weight)
     assert not gemm.onednn_applies(x.double(), weight.double())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not gemm.onednn_applies(x, weight)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # inductor cannot lower the op
+    assert not gemm.onednn_applies(x, weight)
 
 
 def test_the_fused_loss_on_onednn_equals_cross_entropy_in_float64(onednn):

@@ -2,11 +2,12 @@
 
 Torch multiplies fp32 matrices on a CPU with MKL, and MKL does not run its AVX-512 kernels on AMD
 CPUs: on a 2-core AMD EPYC (Zen 5) it multiplied 1,536 x 256 by 256 x 1,024 at 213 GFLOP/s, where
-oneDNN, which torch also ships, reached 476 from the same unpacked weight (on a Zen 4 EPYC 190 against
-~220; on an Intel Xeon the two were within 10 %). So on x86 CPUs not made by Intel, ``linear`` runs
-on oneDNN, its gradients too (``_Linear``), as does the fused loss's vocabulary product; on Intel
-CPUs, under autocast (whose bf16 products torch already sends to oneDNN) and off the CPU it is
-``F.linear``.
+oneDNN, which torch also ships, reached 476 from the same unpacked weight (on a Zen 4 EPYC MKL ran at
+184-192 and oneDNN at 215-227 with a packed weight; on an Intel Xeon with AMX, where MKL runs at peak,
+oneDNN's packed products were 4-9 % faster, a gain not measured further). So on x86 CPUs not made by
+Intel, ``linear`` runs on oneDNN, its gradients too (``_Linear``), as do the fused loss's vocabulary
+products; on Intel CPUs, under autocast (whose bf16 products torch already sends to oneDNN), for
+small products and off the CPU it is ``F.linear``.
 
 oneDNN's entry point is torch's ``mkldnn._linear_pointwise`` (behind torch.compile's CPU linear
 layers): x @ w^T for a row-major x and a w of any strides, so a product with a transposed factor
@@ -60,10 +61,11 @@ def _cpu_vendor() -> str | None:
 
 
 def onednn_applies(*tensors: Tensor) -> bool:
-    """Whether a product of these tensors goes to oneDNN: fp32 on a CPU, outside autocast, where
+    """Whether a product of these tensors goes to oneDNN: fp32 on a CPU, outside autocast and outside
+    ``torch.compile`` (whose inductor picks its own kernels and cannot lower this op), where
     ``use_onednn``."""
     return (all(t.is_cpu and t.dtype == torch.float32 for t in tensors) and not torch.is_autocast_enabled("cpu")
-            and use_onednn())
+            and not torch.compiler.is_compiling() and use_onednn())
 
 
 class _Linear(torch.autograd.Function):
@@ -91,7 +93,8 @@ class _Linear(torch.autograd.Function):
 
 def weight_gradient(grad: Tensor, x: Tensor) -> Tensor:
     """grad (N, out)^T @ x (N, in) -> (out, in), contiguous. oneDNN wants its first operand row-major,
-    so the smaller of the two is transposed into a copy (x^T when out >= in, then the result)."""
+    so the smaller of the two is copied transposed: grad^T, or x^T for x^T @ grad, whose (in, out)
+    result is then transposed back."""
     if grad.shape[1] < x.shape[1]:
         return _onednn(grad.t().contiguous(), x.t())
     return _onednn(x.t().contiguous(), grad.t()).t().contiguous()
