@@ -262,6 +262,10 @@ def print_table(records: list[dict], device: str, peak: float) -> None:
         table.add_column(column, justify="right" if column not in ("workload", "system", "unit", "size") else "left")
     for r in records:
         ratio = f"{r['ratio_vs_best_peer']:.2f}×" if "ratio_vs_best_peer" in r else ""
+        if "collate_ms_per_batch" in r:  # the data path: does batching stall a training step?
+            ratio = f"collate {r['collate_ms_per_batch']:.2f} ms a batch"
+            if "collate_share_of_step" in r:
+                ratio += f", {100 * r['collate_share_of_step']:.2f} % of a step"
         spread = f"{r['min']:,.0f}–{r['max']:,.0f}"
         table.add_row(r["workload"], r["size"], r["system"], f"{r['median']:,.1f}", spread, r["unit"],
                       f"{r['mfu']:.2f}" if "mfu" in r else "", ratio)

@@ -40,3 +40,15 @@ def test_a_count_below_one_is_a_one_line_error():
     result = subprocess.run([sys.executable, str(RUN), "--repeats", "0"], capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith("--repeats: '0' is not a whole number of at least 1")
+
+
+def test_the_table_says_whether_batching_stalls_a_training_step(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run", RUN)
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    record = {"workload": "data", "size": "Multi30k", "system": "tformer", "median": 26732.7, "min": 26732.7,
+              "max": 26732.7, "unit": "pairs/s", "collate_ms_per_batch": 0.117, "collate_share_of_step": 0.00049}
+    run.print_table([record], "cpu (2 cores)", 4.8e11)
+    assert "collate 0.12 ms a batch, 0.05 % of a step" in capsys.readouterr().out
