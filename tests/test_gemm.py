@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 from tformer_cli.model import gemm
 from tformer_cli.config import ModelConfig
+from tformer_cli.errors import UsageError
 from tformer_cli.loss import linear_smoothed_cross_entropy
 from tformer_cli.model import build_model
 
@@ -65,6 +66,10 @@ def test_where_products_go(monkeypatch):
         gemm.use_onednn.cache_clear()
         monkeypatch.setattr(gemm, "CHOICE", choice)
         assert gemm.use_onednn() is expected
+    gemm.use_onednn.cache_clear()
+    monkeypatch.setattr(gemm, "CHOICE", "mkl")
+    with pytest.raises(UsageError, match="TFORMER_GEMM=mkl: choose auto, onednn or torch"):
+        gemm.use_onednn()
     gemm.use_onednn.cache_clear()
 
 

@@ -155,7 +155,7 @@ def _backpropagate(grad: Tensor, h: Tensor, w: Tensor, rows: list[slice], grad_h
             grad_hidden[r] = part
     if grad_weight is not None:
         if gemm.onednn_applies(grad, h, grad_weight):
-            grad_weight += gemm.linear(h.t().contiguous(), grad.t()).t()
+            grad_weight += gemm.weight_gradient(grad, h)
         elif grad.dtype == grad_weight.dtype:
             grad_weight.addmm_(grad.T, h)
         else:

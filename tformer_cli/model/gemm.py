@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tformer_cli.errors import UsageError
+
 AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 # TFORMER_GEMM=onednn or =torch overrides the choice below (tests, and users comparing the two)
 CHOICE = os.environ.get("TFORMER_GEMM", "auto")
@@ -42,7 +44,9 @@ def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def use_onednn() -> bool:
     """Whether fp32 products go to oneDNN: on x86 CPUs not made by Intel, where torch's BLAS is MKL.
     A rule, not a timing, so that every process of a run (and a resumed run) multiplies alike."""
-    if not AVAILABLE or CHOICE in ("torch", "onednn"):
+    if CHOICE not in ("auto", "torch", "onednn"):
+        raise UsageError(f"TFORMER_GEMM={CHOICE}: choose auto, onednn or torch (or leave it unset)")
+    if not AVAILABLE or CHOICE != "auto":
         return AVAILABLE and CHOICE == "onednn"
     return torch.backends.mkl.is_available() and platform.machine() in ("x86_64", "AMD64") \
         and _cpu_vendor() not in (None, "GenuineIntel")
@@ -85,19 +89,19 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _onednn(grad, weight.t())  # (..., in)
         if ctx.needs_input_grad[1]:
-            grad_weight = weight_gradient(grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1]))
+            grad_weight = weight_gradient(grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])).contiguous()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0)
         return grad_x, grad_weight, grad_bias
 
 
 def weight_gradient(grad: Tensor, x: Tensor) -> Tensor:
-    """grad (N, out)^T @ x (N, in) -> (out, in), contiguous. oneDNN wants its first operand row-major,
-    so the smaller of the two is copied transposed: grad^T, or x^T for x^T @ grad, whose (in, out)
-    result is then transposed back."""
+    """grad (N, out)^T @ x (N, in) -> (out, in) on oneDNN. oneDNN wants its first operand row-major, so
+    the smaller of the two is copied transposed: grad^T, or x^T for x^T @ grad, whose (in, out) result
+    comes back as a transposed view (adding it to a gradient costs less than copying it first)."""
     if grad.shape[1] < x.shape[1]:
         return _onednn(grad.t().contiguous(), x.t())
-    return _onednn(x.t().contiguous(), grad.t()).t().contiguous()
+    return _onednn(x.t().contiguous(), grad.t()).t()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
