@@ -260,7 +260,8 @@ def encode_split(pairs: list[tuple[str, str]], vocab: Vocabulary, cfg: DataConfi
         chunk = kept[start:start + ENCODE_CHUNK]
         src_ids, tgt_ids = [], []
         sources = vocab.encode_sources([s for s, _ in chunk])
-        for s, t, pair in zip(sources, vocab.encode_targets([t for _, t in chunk]), chunk):
+        targets = vocab.encode_targets([t for _, t in chunk])
+        for s, t, pair in zip(sources, targets, chunk):
             if len(s) > limit or len(t) > limit:
                 if cfg.long_pairs == "drop":
                     out.dropped_long += 1

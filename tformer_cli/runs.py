@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tformer_cli.config import Config
+from tformer_cli.config import Config, load_config
 from tformer_cli.data import absolute_paths
 from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.runtime import resolve_device
@@ -24,8 +24,6 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
         UsageError: neither or both of config and resume, a device that is not there (checked before
             anything is cleared), or a new run would overwrite an old one.
     """
-    from tformer_cli.config import load_config
-
     if (config_path is None) == (resume is None):
         raise UsageError("give either a CONFIG to start a run or --resume RUN_FOLDER to continue one")
     if resume is not None:
