@@ -1,4 +1,6 @@
 import math
+import os
+import signal
 import time
 
 import pytest
@@ -8,7 +10,7 @@ import torch.nn.functional as F
 from conftest import tiny_model_config, write_config
 from tformer_cli.config import load_config
 from tformer_cli.data import Batch, token_batches
-from tformer_cli.errors import UsageError
+from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.parallel import Workers
@@ -174,28 +176,43 @@ def test_a_write_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path,
 
     monkeypatch.setattr(runtime.torch, "save", crash)  # dies after the weights, before the trainer state
     config, _ = prepare_run(None, run_dir, ["train.max_steps=4"], None)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match=r"disk unplugged\); nothing was replaced.*step-00000002, is intact"):
         train(config, run_dir, resume=True)
     monkeypatch.undo()
     assert step_checkpoints(run_dir) == [good]
+    assert not list((run_dir / "checkpoints").glob(".*.tmp"))  # no half-written folder left behind
+    assert load_config(run_dir / "config.yaml").train.max_steps == 2  # no checkpoint was made under the override
     loaded = load_run(run_dir)  # eval/generate still find complete weights
     assert loaded.weights == run_dir / "model.safetensors"
     config, _ = prepare_run(None, run_dir, ["train.max_steps=4"], None)
     assert train(config, run_dir, resume=True).state.step == 4
 
 
-def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path):
-    path = write_config(tmp_path / "c.yaml", train={"max_steps": 10})
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_midway_through_a_step_stops_after_it_and_the_resume_is_exact(tmp_path, monkeypatch, signum):
+    import tformer_cli.train as training
+    from safetensors.torch import load_file
 
-    def interrupt_at_step_3(event, data):
-        if event == "step" and data["step"] == 3:
-            raise KeyboardInterrupt
+    path = write_config(tmp_path / "c.yaml", train={"max_steps": 8})  # dropout draws random numbers every step
+    train(load_config(path), tmp_path / "straight")
+    calls = []
 
-    result = train(load_config(path), tmp_path / "run", callback=interrupt_at_step_3)
-    assert result.stop_reason == "interrupted"
-    assert [p.name for p in step_checkpoints(tmp_path / "run")] == ["step-00000003"]
+    def loss_then_signal(*args):  # the signal arrives inside step 4, after its dropout masks were drawn
+        calls.append(1)
+        out = label_smoothed_loss(*args)
+        if len(calls) == 4:
+            os.kill(os.getpid(), signum)
+        return out
+
+    monkeypatch.setattr(training, "label_smoothed_loss", loss_then_signal)
+    result = train(load_config(path), tmp_path / "run")
+    monkeypatch.undo()
+    assert result.stop_reason == "interrupted" and result.signal == signum
+    assert [p.name for p in step_checkpoints(tmp_path / "run")] == ["step-00000004"]
     config, run_dir = prepare_run(None, tmp_path / "run", [], None)
-    assert train(config, run_dir, resume=True).state.step == 10
+    assert train(config, run_dir, resume=True).state.step == 8
+    resumed, straight = (load_file(str(folder / "model.safetensors")) for folder in (run_dir, tmp_path / "straight"))
+    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
 
 
 def test_stopping_by_epochs_and_time(tmp_path):

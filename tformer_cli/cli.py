@@ -14,7 +14,7 @@ from typer.core import TyperGroup
 from tformer_cli import __version__
 from tformer_cli.cli_options import (ADVANCED, AlphaOpt, BatchOpt, BeamOpt, DeviceOpt, JsonOpt, PrecisionOpt, QuietOpt,
                                      RunArg, SetOpt, check_decoding_flags, check_image_name, decoding_autocast)
-from tformer_cli.errors import TformerError, UsageError
+from tformer_cli.errors import Interrupted, TformerError, UsageError
 
 
 class _ErrorBoundary(TyperGroup):
@@ -37,11 +37,11 @@ class _ErrorBoundary(TyperGroup):
 
             error_lines(f"{exc.filename}: {exc.strerror}")
             raise typer.Exit(1) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             from tformer_cli.render import error_lines
 
             error_lines("interrupted")
-            raise typer.Exit(130) from None
+            raise typer.Exit(128 + getattr(exc, "signum", 2)) from None
         except RuntimeError as exc:  # out of memory: say which setting to lower, not where torch ran out
             if not _out_of_memory(exc) or ctx.params.get("debug"):
                 raise
@@ -124,14 +124,39 @@ def train(
     progress = TrainProgress(quiet or json_output)
     try:
         result = run_training(cfg, run_dir, resume=resume is not None, callback=progress, workers=workers)
+    except Interrupted as exc:  # during setup, before the first step
+        progress.close()
+        _stopped_by_signal(exc.signum, run_dir, None, workers.main)
     finally:
         progress.close()
         parallel.leave()
     if json_output and workers.main:
         print_json({"run_dir": str(run_dir), "stop_reason": result.stop_reason, "step": result.state.step,
                     "elapsed": result.state.elapsed, "last_eval": result.last_eval})
-    if result.stop_reason == "interrupted":
-        raise typer.Exit(130)
+    if result.signal is not None:
+        _stopped_by_signal(result.signal, run_dir, result.state.step, workers.main)
+
+
+def _stopped_by_signal(signum: int, run_dir: Path, step: int | None, main: bool) -> None:
+    """One line on stderr (also under --quiet): where training stopped and the command that resumes it;
+    exit status 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as shells report it."""
+    import shlex
+    import signal
+    import sys
+
+    from tformer_cli.render import err_console
+
+    if main:
+        name = signal.Signals(signum).name
+        if step is None:  # nothing trained: a resume starts the run afresh, or the same command again
+            again = f"tformer train --resume {run_dir}" if (run_dir / "config.yaml").is_file() \
+                else shlex.join(["tformer", *sys.argv[1:]])
+            line = f"stopped by {name} during setup, before the first step; start it again with: {again}"
+        else:
+            line = (f"stopped by {name} after step {step}; checkpoint {run_dir / 'checkpoints' / f'step-{step:08d}'}; "
+                    f"resume with: tformer train --resume {run_dir}")
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(128 + signum)
 
 
 @app.command("eval")

@@ -29,7 +29,9 @@ def read_yaml(path: Path, sections: typing.Collection[str], seen: tuple[Path, ..
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'extends' forms a cycle; remove one of the extends lines")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -10,8 +10,8 @@ import bisect
 import hashlib
 import json
 import os
-import pickle
 import socket
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,14 +19,16 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
+from safetensors.torch import save_file
 
 from tformer_cli.config import DataConfig
-from tformer_cli.errors import DataError, first_line
+from tformer_cli.errors import CheckpointError, DataError, first_line
+from tformer_cli.files import replacing
 from tformer_cli.sequences import Sequences
 from tformer_cli.tokenizer import PAD_ID, RECIPE, Vocabulary
 
-# Encoded splits cached before token ids were stored flat (tformer_cli/sequences.py) are not read
-CACHE_FORMAT = 2
+# Encoded splits cached in an earlier layout are not read (3: safetensors, no pickle)
+CACHE_FORMAT = 3
 ENCODE_CHUNK = 100_000  # pairs tokenised at a time: their ids as Python lists are the peak memory
 TRAINING_ONLY = {"bpe_dropout"}  # data settings that change neither the vocabulary nor the cached encodings
 FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -224,7 +226,6 @@ class EncodedSplit:
     dropped_empty: int = 0
     dropped_long: int = 0
     truncated: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.src, self.tgt = (s if isinstance(s, Sequences) else Sequences.from_lists(s) for s in (self.src, self.tgt))
@@ -282,32 +283,95 @@ def resegment(split: EncodedSplit, vocab: Vocabulary, cfg: DataConfig) -> Encode
     return encode_split(split.pairs, vocab.with_dropout(cfg.bpe_dropout), cfg)
 
 
-def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary) -> EncodedSplit:
-    """``load_pairs`` + ``encode_split``, cached on disk by data and tokenizer fingerprint."""
-    path = cache_dir() / "encoded" / f"{split}-{data_fingerprint(cfg, split, vocab.fingerprint(), CACHE_FORMAT)}.pkl"
+def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
+                 notice: Callable[[str], None] = lambda message: None) -> EncodedSplit:
+    """``load_pairs`` + ``encode_split``, cached on disk by data and tokenizer fingerprint. An entry
+    that cannot be read back exactly is rebuilt, after one line to ``notice``."""
+    key = data_fingerprint(cfg, split, vocab.fingerprint(), CACHE_FORMAT)
+    path = cache_dir() / "encoded" / f"{split}-{key}.safetensors"
     if path.is_file():
         try:
-            with path.open("rb") as f:
-                return pickle.load(f)
-        except Exception:  # a stale or partial cache entry is simply rebuilt
-            pass
+            return read_encoded(path)
+        except (OSError, ValueError) as exc:
+            notice(f"rebuilding the cached encoding {path}: {exc}")
     encoded = encode_split(load_pairs(cfg, split), vocab, cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
-        pickle.dump(encoded, f, protocol=pickle.HIGHEST_PROTOCOL)
-    tmp.replace(path)
+    try:
+        write_encoded(encoded, path)
+    except CheckpointError as exc:  # a cache that cannot be written costs time next run, nothing else
+        notice(str(exc))
     return encoded
 
 
-def train_or_load_vocabulary(cfg: DataConfig) -> Vocabulary:
+# A cache entry is data, never code: token ids and texts as safetensors tensors, counts in its metadata,
+# and a checksum over all of them, so that a damaged or planted entry is rebuilt rather than believed.
+_ENCODED_TENSORS = ("src_ids", "src_offsets", "tgt_ids", "tgt_offsets", "text_bytes", "text_offsets")
+_ENCODED_COUNTS = ("dropped_empty", "dropped_long", "truncated")
+_ENCODED_DTYPES = {"src_ids": torch.int32, "tgt_ids": torch.int32, "text_bytes": torch.uint8}
+
+
+def write_encoded(split: EncodedSplit, path: Path) -> None:
+    texts = [text.encode("utf-8", "surrogatepass") for pair in split.pairs for text in pair]
+    lengths = torch.tensor([0] + [len(t) for t in texts], dtype=torch.int64)
+    tensors = {"src_ids": split.src.ids, "src_offsets": split.src.offsets,
+               "tgt_ids": split.tgt.ids, "tgt_offsets": split.tgt.offsets,
+               "text_bytes": torch.frombuffer(bytearray(b"".join(texts)) or bytearray(1), dtype=torch.uint8),
+               "text_offsets": lengths.cumsum(0)}
+    metadata = {"format": str(CACHE_FORMAT), "sha256": _checksum(tensors),
+                **{name: str(getattr(split, name)) for name in _ENCODED_COUNTS}}
+    with replacing(path) as tmp:
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
+
+
+def read_encoded(path: Path) -> EncodedSplit:
+    """An encoded split from the cache. Raises ValueError (or OSError) for any entry not written by
+    ``write_encoded`` in this format, intact."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as stored:
+            metadata = stored.metadata() or {}
+            if metadata.get("format") != str(CACHE_FORMAT) or set(stored.keys()) != set(_ENCODED_TENSORS):
+                raise ValueError("written by another version")
+            tensors = {name: stored.get_tensor(name) for name in _ENCODED_TENSORS}
+    except ValueError:
+        raise
+    except Exception as exc:  # safetensors' own error for a file it cannot parse
+        raise ValueError(f"unreadable ({first_line(exc)})") from exc
+    if metadata.get("sha256") != _checksum(tensors):
+        raise ValueError("its checksum does not match")
+    for values, offsets in (("src_ids", "src_offsets"), ("tgt_ids", "tgt_offsets"), ("text_bytes", "text_offsets")):
+        ends = tensors[offsets]
+        if (tensors[values].dtype != _ENCODED_DTYPES[values] or ends.dtype != torch.int64 or ends.dim() != 1
+                or ends.numel() == 0 or ends[0] != 0 or bool((ends.diff() < 0).any())
+                or ends[-1] > tensors[values].numel()):
+            raise ValueError(f"its {values} are malformed")
+    text_bytes, bounds = tensors["text_bytes"].numpy().tobytes(), tensors["text_offsets"].tolist()
+    texts = [text_bytes[a:b].decode("utf-8", "surrogatepass") for a, b in zip(bounds, bounds[1:])]
+    split = EncodedSplit(Sequences(tensors["src_ids"], tensors["src_offsets"]),
+                         Sequences(tensors["tgt_ids"], tensors["tgt_offsets"]), list(zip(texts[::2], texts[1::2])),
+                         **{name: int(metadata[name]) for name in _ENCODED_COUNTS})
+    if len(split.tgt) != len(split) or len(split.pairs) != len(split):
+        raise ValueError("its parts differ in length")
+    return split
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in _ENCODED_TENSORS:
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def train_or_load_vocabulary(cfg: DataConfig, notice: Callable[[str], None] = lambda message: None) -> Vocabulary:
     """Learn BPE on the training split, or reuse one learned from the same data and settings."""
     folder = cache_dir() / "tokenizers" / data_fingerprint(cfg, cfg.train_split, RECIPE)
     if folder.is_dir():
         try:
             return Vocabulary.load(folder)
-        except Exception:
-            pass
+        except CheckpointError as exc:
+            notice(f"relearning the cached vocabulary: {exc}")
     pairs = load_pairs(cfg, cfg.train_split)
     vocab = Vocabulary.train(pairs, cfg.vocab_size, cfg.joint_vocab, cfg.min_frequency, cfg.lowercase)
     folder.mkdir(parents=True, exist_ok=True)

@@ -29,3 +29,11 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (or its type's name), for a one-line error about it."""
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM stopped the command; ``signum`` says which (exit status 128 + signum)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum

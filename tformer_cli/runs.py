@@ -1,7 +1,8 @@
 """Run folders for ``tformer train``: the config of a new or resumed run, and what a resume may change.
 
 A new run refuses to replace an old one unless told (``--overwrite``), and never deletes a folder
-that holds no run; a resumed run keeps its model's shape and its vocabulary.
+that tformer did not make or a file it did not write (``run_folder.py``); a resumed run keeps its
+model's shape and its vocabulary.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from pathlib import Path
 from tformer_cli.config import Config, load_config
 from tformer_cli.data import absolute_paths
 from tformer_cli.errors import CheckpointError, UsageError
-from tformer_cli.runtime import resolve_device
+from tformer_cli.run_folder import MARKER, foreign_files, is_marked
+from tformer_cli.runtime import WEIGHTS, resolve_device, step_checkpoints
 
 
 def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[str], output_dir: Path | None,
@@ -45,13 +47,26 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
 
 
 def _clear_for_new_run(run_dir: Path, overwrite: bool) -> None:
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not (run_dir / "config.yaml").is_file():  # --overwrite deletes runs only, never other folders
-            raise UsageError(f"{run_dir} is not empty and holds no tformer run; pick a new or empty --output-dir")
-        if not overwrite:
-            raise UsageError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, "
-                             "or pass --overwrite or another --output-dir")
-        shutil.rmtree(run_dir)
+    """Make way for a new run in ``run_dir``, deleting only what tformer wrote there: a run that has
+    weights only with ``overwrite``; a start that never reached its first checkpoint (killed during
+    setup, say) without asking, as it holds nothing that a resume could use."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise UsageError(f"--output-dir {run_dir}: is a file; pick a folder")
+    if not any(run_dir.iterdir()):
+        return
+    if not is_marked(run_dir):
+        raise UsageError(f"{run_dir} is not empty and holds no tformer run (no {MARKER} marker); pick a new or "
+                         "empty --output-dir")
+    foreign = foreign_files(run_dir)
+    if foreign:
+        raise UsageError(f"{run_dir} holds files tformer did not write ({len(foreign)}, e.g. {foreign[0]}); "
+                         "move them out or pick another --output-dir")
+    if not overwrite and (step_checkpoints(run_dir) or (run_dir / WEIGHTS).is_file()):
+        raise UsageError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, "
+                         "or pass --overwrite or another --output-dir")
+    shutil.rmtree(run_dir)
 
 
 # What a resumed run may change: its regularisation, not the weights' shapes or the vocabulary it learned.

@@ -18,7 +18,6 @@ interrupted write never replaces a good file with a broken one.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -32,9 +31,12 @@ from safetensors.torch import load_model, save_model
 
 from tformer_cli.config import Config, load_config, to_yaml
 from tformer_cli.errors import CheckpointError, UsageError, first_line
+from tformer_cli.files import read_jsonl, replacing, write_text_atomic
+from tformer_cli.run_folder import mark_run_folder
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 WEIGHTS, TRAINER, CHECKPOINTS = "model.safetensors", "trainer.pt", "checkpoints"
+CONFIG, METRICS = "config.yaml", "metrics.jsonl"
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -90,17 +92,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def save_weights(model: torch.nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
     """Weights only, as safetensors (tied matrices stored once), written atomically."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_model(_unwrap(model), str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        save_model(_unwrap(model), str(tmp), metadata=metadata)
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
@@ -133,15 +128,12 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any],
                     keep_last: int) -> Path:
     """Write checkpoints/step-N (weights + trainer state) atomically; keep only the last ``keep_last``."""
-    folder = run_dir / CHECKPOINTS
-    final, tmp = folder / f"step-{step:08d}", folder / f".step-{step:08d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_model(_unwrap(model), str(tmp / WEIGHTS))
-    torch.save(trainer_state, tmp / TRAINER)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    final = run_dir / CHECKPOINTS / f"step-{step:08d}"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(final) as tmp:
+        tmp.mkdir()
+        save_model(_unwrap(model), str(tmp / WEIGHTS))
+        torch.save(trainer_state, tmp / TRAINER)
     for old in step_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -165,10 +157,12 @@ def load_trainer_state(checkpoint: Path | str) -> dict[str, Any]:
                               "earlier checkpoint by deleting this one") from exc
 
 
-def save_run_files(run_dir: Path, config: Config, vocab: Vocabulary) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(run_dir / "config.yaml", to_yaml(config))
-    vocab.save(run_dir)
+def save_run_files(run_dir: Path, config: Config, vocab: Vocabulary | None = None) -> None:
+    """The run's marker, its config.yaml and (when given) its vocabulary, each written atomically."""
+    mark_run_folder(run_dir)
+    write_text_atomic(run_dir / CONFIG, to_yaml(config))
+    if vocab is not None:
+        vocab.save(run_dir)
 
 
 def load_run_config(run_dir: Path) -> Config:
@@ -231,16 +225,11 @@ def load_run(path: Path, device: torch.device | str = "cpu") -> LoadedRun:
     return LoadedRun(run_dir, weights, config, vocab, model.to(device).eval())
 
 
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS
     if not path.is_file():
-        raise CheckpointError(f"{run_dir}: no metrics.jsonl; is this a run folder written by `tformer train`?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        raise CheckpointError(f"{run_dir}: no {METRICS}; is this a run folder written by `tformer train`?")
+    return read_jsonl(path)
 
 
 def choose_checkpoints(run_dir: Path, last: int | None = None, best: int | None = None,
@@ -288,9 +277,8 @@ def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
             total[name] = total.get(name, 0) + tensor.double()
     average = {name: (tensor / len(checkpoints)).float().contiguous() for name, tensor in total.items()}
     output.mkdir(parents=True, exist_ok=True)
-    tmp = output / f".{WEIGHTS}.tmp"
-    save_file(average, str(tmp), metadata={"averaged": ",".join(c.name for c in checkpoints)})
-    os.replace(tmp, output / WEIGHTS)
+    with replacing(output / WEIGHTS) as tmp:
+        save_file(average, str(tmp), metadata={"averaged": ",".join(c.name for c in checkpoints)})
     return output
 
 

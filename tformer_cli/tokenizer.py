@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from tformer_cli.errors import CheckpointError
+from tformer_cli.errors import CheckpointError, first_line
+from tformer_cli.files import write_text_atomic
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]  # ids 0, 1, 2, 3
@@ -71,17 +72,16 @@ class Vocabulary:
         """Write tokenizer.json (joint) or tokenizer-source.json + tokenizer-target.json, atomically."""
         files = {JOINT_FILE: self.source} if self.joint else {SOURCE_FILE: self.source, TARGET_FILE: self.target}
         for name, tokenizer in files.items():
-            tmp = folder / f"{name}.tmp"
-            tmp.write_text(tokenizer.to_str())
-            tmp.replace(folder / name)
+            write_text_atomic(folder / name, tokenizer.to_str())
 
     @classmethod
     def load(cls, folder: Path) -> "Vocabulary":
+        """Raises CheckpointError (one line) for a missing or unreadable tokenizer file."""
         folder = Path(folder)
         if (folder / JOINT_FILE).is_file():
-            return cls(Tokenizer.from_file(str(folder / JOINT_FILE)))
+            return cls(_read(folder / JOINT_FILE))
         if (folder / SOURCE_FILE).is_file() and (folder / TARGET_FILE).is_file():
-            return cls(Tokenizer.from_file(str(folder / SOURCE_FILE)), Tokenizer.from_file(str(folder / TARGET_FILE)))
+            return cls(_read(folder / SOURCE_FILE), _read(folder / TARGET_FILE))
         raise CheckpointError(f"{folder}: no {JOINT_FILE} (or {SOURCE_FILE} + {TARGET_FILE}); "
                               "is this a run folder written by `tformer train`?")
 
@@ -115,6 +115,18 @@ class Vocabulary:
 
     def target_tokens(self, ids: list[int]) -> list[str]:
         return [self.target.id_to_token(i) for i in ids]
+
+
+def _read(path: Path) -> Tokenizer:
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own error for any file it cannot parse
+        raise CheckpointError(f"{path}: unreadable tokenizer ({first_line(exc)}); restore it from the run's "
+                              "backup or train the run again") from None
+    if any(tokenizer.token_to_id(token) != i for i, token in enumerate(SPECIALS)):
+        raise CheckpointError(f"{path}: not a tformer tokenizer (its special tokens differ); restore the run's "
+                              "own tokenizer file")
+    return tokenizer
 
 
 def _ids(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:

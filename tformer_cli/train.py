@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import signal
+import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +24,14 @@ from tformer_cli.config import Config, TrainConfig
 from tformer_cli.data import (
     EncodedSplit, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary)
 from tformer_cli.ema import WeightEMA
-from tformer_cli.errors import CheckpointError, DataError, DivergedError, UsageError
+from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError
+from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
 from tformer_cli.parallel import GradientSync, Workers
 from tformer_cli.runtime import (
-    CHECKPOINTS, WEIGHTS, append_jsonl, autocast, load_trainer_state, load_weights, resolve_device, rng_state,
+    CHECKPOINTS, METRICS, WEIGHTS, autocast, load_trainer_state, load_weights, resolve_device, rng_state,
     save_checkpoint, save_run_files, save_weights, seed_everything, set_rng_state, slow_precision,
     step_checkpoints, tune_runtime)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
@@ -58,6 +61,7 @@ class TrainResult:
     state: TrainState
     stop_reason: str
     last_eval: dict[str, Any] | None
+    signal: int | None = None  # the signal that stopped training, if one did
 
 
 class _Setup:
@@ -77,10 +81,13 @@ class _Setup:
         # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.train.precision == "fp16")
         self.state, saved = TrainState(), {}
+        # overrides given on resume are recorded in config.yaml with the first checkpoint made under them,
+        # so that a resume whose overrides make it diverge leaves the run's config as it was
+        self.config_unsaved = resume
+        self.saved_step: int | None = None  # the step of the last checkpoint written or resumed from
         if resume:
             saved = self._restore()
-            if workers.main:  # overrides given on resume are recorded once they fit
-                save_run_files(run_dir, config, self.vocab)
+            self.saved_step = self.state.step
         # a moving average of the weights: continued on resume, else started from the weights as they are
         self.ema = WeightEMA(self.model, config.train.ema_decay, self.state.step) if config.train.ema_decay else None
         if self.ema is not None and "ema" in saved:
@@ -88,22 +95,26 @@ class _Setup:
 
     def _load_data(self, resume: bool, notify: Callback) -> None:
         data = self.config.data
+
+        def warn(message: str) -> None:
+            notify("warning", {"message": message})
+
         if resume:
             self.vocab = Vocabulary.load(self.run_dir)
         else:
             notify("setup", {"message": "learning the BPE vocabulary"})
-            self.vocab = train_or_load_vocabulary(data)
+            self.vocab = train_or_load_vocabulary(data, warn)
             if self.workers.main:
                 save_run_files(self.run_dir, self.config, self.vocab)
         notify("setup", {"message": "tokenising"})
-        self.train_data = load_encoded(data, data.train_split, self.vocab)
+        self.train_data = load_encoded(data, data.train_split, self.vocab, warn)
         if not data.bpe_dropout:  # its texts serve only to segment it afresh: 580,000 pairs' are 185 MiB
             self.train_data.pairs = []
         if len(self.train_data) == 0:
             raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
                             "raise data.max_length or set data.long_pairs: truncate")
         self.validates = data.validation_split is not None  # rank 0 validates; the others take its figures
-        self.valid_data = load_encoded(data, data.validation_split, self.vocab) \
+        self.valid_data = load_encoded(data, data.validation_split, self.vocab, warn) \
             if self.validates and self.workers.main else None
 
     def _restore(self) -> dict:
@@ -117,6 +128,11 @@ class _Setup:
             self.scaler.load_state_dict(saved["scaler"])
         self.state = TrainState(**saved["state"])
         set_rng_state(saved["rng"])
+        if self.workers.main:  # what was logged after that checkpoint is logged again as training repeats it
+            metrics = self.run_dir / METRICS
+            if metrics.is_file():
+                kept = [r for r in read_jsonl(metrics) if r.get("step", 0) <= self.state.step]
+                write_text_atomic(metrics, "".join(json_line(r) for r in kept))
         return saved
 
 
@@ -131,7 +147,10 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                          "segmentation and their batches would differ; set data.bpe_dropout=0")
     device = resolve_device(cfg.device)
     tune_runtime()
-    setup = _Setup(config, run_dir, resume, device, notify, workers)
+    resume = resume and bool(step_checkpoints(run_dir))  # a run stopped before its first checkpoint starts anew
+    signals = _StopSignals()
+    with signals.during_setup():
+        setup = _Setup(config, run_dir, resume, device, notify, workers)
     model, optimizer, state, data = setup.model, setup.optimizer, setup.state, _epoch_split(setup)
     if state.processes != workers.size:  # resumed by another number of processes: same place in the epoch
         state.batch_in_epoch = math.ceil(state.batch_in_epoch * state.processes / workers.size)
@@ -149,76 +168,76 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
     model.train()
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt) if workers.main else None
     gradients = GradientSync(workers, model.parameters())
     try:
-        while stop_reason is None:
-            batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, workers)
-            while state.batch_in_epoch < len(batches) and stop_reason is None:
-                # batch: grad_accum consecutive batches make one optimizer step
-                start = state.batch_in_epoch
-                group = [collate(data, ids) for ids in batches[start:start + cfg.grad_accum]]
-                group_tokens = sum(b.num_tokens for b in group)
-                if workers.size > 1:  # the loss is normalised by every process's tokens; rank 0's clock rules
-                    own_clock = elapsed_before + time.perf_counter() - session_start if workers.main else 0.0
-                    total, clock = workers.sum(group_tokens, own_clock)
-                    group_tokens = int(total)
-                if not workers.main:  # dropout masks of their own, drawn so that a resumed run draws them again
-                    torch.manual_seed(cfg.seed + 1_000_003 * workers.rank + state.step)
-                nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
-                for i, batch in enumerate(group):
-                    with amp:  # forward + loss
-                        loss, nll = loss_fn(model, batch.to(device), cfg.label_smoothing, cfg.rdrop)
-                    if i == len(group) - 1:
-                        gradients.arm()  # sum over the processes as the last backward finishes gradients
-                    scaler.scale(loss / group_tokens).backward()  # backward
-                    nll_sum += nll
-                gradients.finish()
-                scaler.unscale_(optimizer)
-                if cfg.clip_grad_norm:  # clip
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-                horizon = cosine_horizon(cfg, total_steps, state.step, state.elapsed) if cfg.schedule == "cosine" else None
-                lr = learning_rate(state.step + 1, cfg, config.model.d_model, horizon)  # schedule
-                for param_group in optimizer.param_groups:
-                    param_group["lr"] = lr
-                scaler.step(optimizer)  # step
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                if setup.ema is not None:
-                    setup.ema.update()
-                state.step += 1
-                state.batch_in_epoch += len(group)
-                state.target_tokens += group_tokens
-                state.elapsed = clock if workers.size > 1 else elapsed_before + time.perf_counter() - session_start
-                window["loss"] += nll_sum
-                window["tokens"] += group_tokens
-                if state.step % cfg.log_every == 0:  # callback
-                    _log(notify, run_dir, state, window, lr, total_steps, workers, model)
-                stop_reason = _stop_reason(cfg, state)
-                paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
-                if setup.validates and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
-                    last_eval = _evaluate(setup, state, notify)
-                    if cfg.patience and state.evals_without_improvement >= cfg.patience and not stop_reason:
-                        stop_reason = f"no improvement in {cfg.patience} evaluations (early stopping)"
-                if state.step % (cfg.save_every or cfg.eval_every) == 0 or stop_reason:  # checkpoint
-                    _checkpoint(setup, notify)
-                window["start"] += time.perf_counter() - paused
-            if state.batch_in_epoch >= len(batches):
-                state.epoch += 1
-                state.batch_in_epoch = 0
-                stop_reason = stop_reason or _stop_reason(cfg, state)
-                if stop_reason is None:
-                    data = _epoch_split(setup)  # the next epoch's segmentation
-    except KeyboardInterrupt:
-        stop_reason = "interrupted"
-        optimizer.zero_grad(set_to_none=True)
-        _checkpoint(setup, notify)
+        with signals.between_steps():
+            while stop_reason is None:
+                batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, workers)
+                while state.batch_in_epoch < len(batches) and stop_reason is None:
+                    # batch: grad_accum consecutive batches make one optimizer step
+                    start = state.batch_in_epoch
+                    group = [collate(data, ids) for ids in batches[start:start + cfg.grad_accum]]
+                    group_tokens = sum(b.num_tokens for b in group)
+                    stop = signals.received is not None  # a signal stops training between two steps
+                    if workers.size > 1:  # the loss is normalised by every process's tokens; rank 0's clock rules
+                        own_clock = elapsed_before + time.perf_counter() - session_start if workers.main else 0.0
+                        total, clock, stops = workers.sum(group_tokens, own_clock, stop)
+                        group_tokens, stop = int(total), stops > 0  # all processes stop at the same step
+                    if stop:
+                        stop_reason = "interrupted"
+                        break
+                    if not workers.main:  # dropout masks of their own, drawn so that a resumed run draws them again
+                        torch.manual_seed(cfg.seed + 1_000_003 * workers.rank + state.step)
+                    nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
+                    for i, batch in enumerate(group):
+                        with amp:  # forward + loss
+                            loss, nll = loss_fn(model, batch.to(device), cfg.label_smoothing, cfg.rdrop)
+                        if i == len(group) - 1:
+                            gradients.arm()  # sum over the processes as the last backward finishes gradients
+                        scaler.scale(loss / group_tokens).backward()  # backward
+                        nll_sum += nll
+                    gradients.finish()
+                    scaler.unscale_(optimizer)
+                    if cfg.clip_grad_norm:  # clip
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                    horizon = cosine_horizon(cfg, total_steps, state.step, state.elapsed) if cfg.schedule == "cosine" else None
+                    lr = learning_rate(state.step + 1, cfg, config.model.d_model, horizon)  # schedule
+                    for param_group in optimizer.param_groups:
+                        param_group["lr"] = lr
+                    scaler.step(optimizer)  # step
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
+                    if setup.ema is not None:
+                        setup.ema.update()
+                    state.step += 1
+                    state.batch_in_epoch += len(group)
+                    state.target_tokens += group_tokens
+                    state.elapsed = clock if workers.size > 1 else elapsed_before + time.perf_counter() - session_start
+                    window["loss"] += nll_sum
+                    window["tokens"] += group_tokens
+                    if state.step % cfg.log_every == 0:  # callback
+                        _log(notify, run_dir, state, window, lr, total_steps, workers, model)
+                    stop_reason = _stop_reason(cfg, state)
+                    paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
+                    if setup.validates and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
+                        last_eval = _evaluate(setup, state, notify)
+                        if cfg.patience and state.evals_without_improvement >= cfg.patience and not stop_reason:
+                            stop_reason = f"no improvement in {cfg.patience} evaluations (early stopping)"
+                    if state.step % (cfg.save_every or cfg.eval_every) == 0 or stop_reason:  # checkpoint
+                        _checkpoint(setup, notify)
+                    window["start"] += time.perf_counter() - paused
+                if state.batch_in_epoch >= len(batches):
+                    state.epoch += 1
+                    state.batch_in_epoch = 0
+                    stop_reason = stop_reason or _stop_reason(cfg, state)
+                    if stop_reason is None:
+                        data = _epoch_split(setup)  # the next epoch's segmentation
+            if stop_reason == "interrupted" and setup.saved_step != state.step:
+                _checkpoint(setup, notify)  # at a step boundary, so that a resume continues exactly
     finally:
         gradients.close()
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
     notify("end", {"state": asdict(state), "stop_reason": stop_reason, "last_eval": last_eval})
-    return TrainResult(run_dir, state, stop_reason, last_eval)
+    return TrainResult(run_dir, state, stop_reason, last_eval, signals.received)
 
 
 def _epoch_split(setup: _Setup) -> EncodedSplit:
@@ -258,8 +277,43 @@ def _check_finite(model: torch.nn.Module, step: int, loss: float | None = None) 
                         "(tformer train --resume RUN --set train.lr=...), or set train.clip_grad_norm")
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+class _StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM. During setup they stop at once (``Interrupted``); between steps the
+    step under way finishes and is checkpointed first, so that the saved random state is the one the
+    next step starts from and a resume continues exactly. A second signal stops at once."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    @contextmanager
+    def during_setup(self):
+        with self._handling(self._stop_now):
+            yield
+
+    @contextmanager
+    def between_steps(self):
+        with self._handling(self._note):
+            yield
+
+    def _stop_now(self, signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            raise Interrupted(signum)
+        self.received = signum
+
+    @contextmanager
+    def _handling(self, handler):
+        if threading.current_thread() is not threading.main_thread():  # Python delivers signals to it alone
+            yield
+            return
+        previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for signum, old in previous.items():
+                signal.signal(signum, old)
 
 
 def _total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
@@ -288,7 +342,7 @@ def _log(notify: Callback, run_dir: Path, state: TrainState, window: dict, lr: f
               "tokens_per_s": window["tokens"] / max(now - window["start"], 1e-9), "elapsed": state.elapsed,
               "total_steps": total}
     if workers.main:
-        append_jsonl(run_dir / "metrics.jsonl", {"split": "train", **record})
+        append_jsonl(run_dir / METRICS, {"split": "train", **record})
     notify("step", record)
     window.update(loss=0.0, tokens=0, start=now)
     _check_finite(model, state.step, loss)
@@ -311,7 +365,7 @@ def _evaluate(setup: _Setup, state: TrainState, notify: Callback) -> dict[str, A
     record["best"] = improved
     state.history.append(record)
     if main:
-        append_jsonl(setup.run_dir / "metrics.jsonl", {"split": "validation", **record})
+        append_jsonl(setup.run_dir / METRICS, {"split": "validation", **record})
     notify("eval", record)
     return record
 
@@ -340,7 +394,17 @@ def _checkpoint(setup: _Setup, notify: Callback) -> None:
         trainer_state["ema"] = setup.ema.state_dict()
     if setup.scaler.is_enabled():
         trainer_state["scaler"] = setup.scaler.state_dict()
-    path = save_checkpoint(setup.run_dir, state.step, setup.model, trainer_state, setup.config.train.keep_last)
+    try:
+        path = save_checkpoint(setup.run_dir, state.step, setup.model, trainer_state, setup.config.train.keep_last)
+        if setup.config_unsaved:  # the config that the checkpoint continues under
+            save_run_files(setup.run_dir, setup.config)
+            setup.config_unsaved = False
+    except CheckpointError as exc:
+        last = step_checkpoints(setup.run_dir)
+        kept = f"the last checkpoint, {last[-1].name}, is intact: once there is room, resume with tformer train " \
+               f"--resume {setup.run_dir}" if last else "no checkpoint was kept"
+        raise CheckpointError(f"{exc}; {kept}") from exc
+    setup.saved_step = state.step
     if setup.ema is not None:  # the average as a checkpoint of its own, for eval and generate
         (setup.run_dir / CHECKPOINTS / "ema").mkdir(exist_ok=True)
         with setup.ema.applied():

@@ -1,0 +1,137 @@
+"""Writing files so that nothing acknowledged is lost: every file is written under a temporary name,
+flushed to the disk and renamed into place, so a crash, a kill or a full disk leaves either the old
+file or the new one, never a broken one, and no temporary file behind. JSON lines are strict JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tformer_cli.errors import CheckpointError, first_line
+
+
+def temporary_name(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place: ``.NAME.tmp`` beside it."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """Yield a temporary path (file or folder) to write; on success it replaces ``path`` durably.
+
+    Raises:
+        CheckpointError: the write failed (a full disk, say); ``path`` is as it was and the
+            temporary file is removed.
+    """
+    path = Path(path)
+    tmp = temporary_name(path)
+    _remove(tmp)
+    try:
+        yield tmp
+        _sync(tmp)
+        if path.is_dir() and tmp.is_dir():
+            _remove(path)  # a folder cannot be renamed over a full one; the old one goes only once the new is written
+        os.replace(tmp, path)
+        _sync_folder(path.parent)
+    except BaseException as exc:
+        _remove(tmp)
+        if isinstance(exc, (OSError, RuntimeError)) or type(exc).__name__ == "SafetensorError":
+            raise CheckpointError(f"could not write {path} ({first_line(exc)}); nothing was replaced: free "
+                                  "space on the disk or pick another folder") from exc
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One line of strict JSON: NaN and infinities, which strict parsers reject, become null."""
+    return json.dumps(_finite(record), allow_nan=False) + "\n"
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one record, starting a new line if a kill left the last one unfinished."""
+    with path.open("a+b") as f:
+        ends_mid_line = False
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            ends_mid_line = f.read(1) != b"\n"
+        f.write((("\n" if ends_mid_line else "") + json_line(record)).encode())
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file. An unfinished last line (a write cut short) is skipped.
+
+    Raises:
+        CheckpointError: a line that is not a JSON object, or a file that is not UTF-8 text.
+    """
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {exc.start}); restore the file or delete it") from None
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # no newline after it: cut short by a kill
+                continue
+            record = None
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{path}, line {number}: not a JSON object; delete that line")
+        records.append(record)
+    return records
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _sync(path: Path) -> None:
+    """Flush a file, or a folder's files, to the disk before it is renamed into place."""
+    for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
+        if file.is_file():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (POSIX; a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,63 @@
+"""What a run folder may hold: tformer's marker, and the files tformer writes there (see runtime.py).
+
+``--overwrite`` deletes a folder only when it carries the marker and holds nothing but these files,
+so a mistyped ``--output-dir`` can never cost a user their own files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+MARKER = ".tformer-run"  # written first, when tformer creates a run folder
+_TOP = {MARKER, "config.yaml", "tokenizer.json", "tokenizer-source.json", "tokenizer-target.json",
+        "model.safetensors", "metrics.jsonl", "curves.png"}
+_CHECKPOINT_FILES = {"model.safetensors", "trainer.pt"}
+_CHECKPOINT_FOLDER = re.compile(r"step-\d{8}|ema|average-[\w.-]+")
+
+
+def mark_run_folder(run_dir: Path) -> None:
+    """Create ``run_dir`` (if needed) with tformer's marker in it."""
+    from tformer_cli import __version__
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker = run_dir / MARKER
+    if not marker.is_file():
+        marker.write_text(json.dumps({"written_by": "tformer", "version": __version__}) + "\n")
+
+
+def is_marked(run_dir: Path) -> bool:
+    return (run_dir / MARKER).is_file()
+
+
+def foreign_files(run_dir: Path) -> list[Path]:
+    """Everything in ``run_dir`` that tformer does not write there (temporary files of its own
+    interrupted writes count as its own), in sorted order."""
+    foreign = []
+    for path in sorted(run_dir.iterdir()):
+        name = _final_name(path.name)
+        if path.name == "checkpoints" and path.is_dir() and not path.is_symlink():
+            foreign += _foreign_checkpoints(path)
+        elif name not in _TOP or not path.is_file() or path.is_symlink():
+            foreign.append(path)
+    return foreign
+
+
+def _foreign_checkpoints(folder: Path) -> list[Path]:
+    foreign = []
+    for checkpoint in sorted(folder.iterdir()):
+        if not (_CHECKPOINT_FOLDER.fullmatch(_final_name(checkpoint.name)) and checkpoint.is_dir()
+                and not checkpoint.is_symlink()):
+            foreign.append(checkpoint)
+            continue
+        foreign += [f for f in sorted(checkpoint.iterdir())
+                    if _final_name(f.name) not in _CHECKPOINT_FILES or not f.is_file() or f.is_symlink()]
+    return foreign
+
+
+def _final_name(name: str) -> str:
+    """``.model.safetensors.tmp`` -> ``model.safetensors``: the name a temporary file is renamed to."""
+    if name.startswith(".") and name.endswith(".tmp") and name != MARKER:
+        return name[1:-len(".tmp")]
+    return name
