@@ -13,7 +13,8 @@ from typer.core import TyperGroup
 
 from tformer_cli import __version__
 from tformer_cli.cli_options import (ADVANCED, AlphaOpt, BatchOpt, BeamOpt, DeviceOpt, JsonOpt, PrecisionOpt, QuietOpt,
-                                     RunArg, SetOpt, check_decoding_flags, check_image_name, decoding_autocast)
+                                     RunArg, SetOpt, check_decoding_flags, check_image_name, check_text, decoding_autocast,
+                                     stdin_lines)
 from tformer_cli.errors import Interrupted, TformerError, UsageError
 
 
@@ -260,7 +261,9 @@ def generate(
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, nbest=nbest,
                                         length_penalty=length_penalty, **limits)
     size = batch_size or loaded.config.decode.batch_size or default_batch_size(options)
-    lines = iter(texts) if texts else (line.rstrip("\r\n") for line in sys.stdin)
+    for text in texts or []:
+        check_text("TEXTS", text)
+    lines = iter(texts) if texts else stdin_lines(sys.stdin.buffer)
     # typed at a terminal, each line is translated when it is entered; piped, lines go in batches
     chunk_size = len(texts) if texts else 1 if _at_terminal(sys.stdin) else size
     for chunk in _chunks(lines, chunk_size):
@@ -299,6 +302,8 @@ def inspect_attention(
     from tformer_cli.runtime import load_run, resolve_device
 
     check_image_name("--save", save)
+    check_text("SOURCE", source)
+    check_text("--target", target)
     loaded = load_run(run, resolve_device(device or "auto"))
     capture = capture_attention(loaded.model, loaded.vocab, source, target)
     maps = select_maps(capture, kind, layer, head)

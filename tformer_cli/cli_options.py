@@ -5,6 +5,7 @@ The checks run before any model or data is loaded and raise one-line ``UsageErro
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -61,3 +62,25 @@ def decoding_autocast(device, precision: str):
 def check_image_name(option: str, path: Path | None) -> None:
     if path is not None and path.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise UsageError(f"{option} {path}: use a .png, .svg or .pdf file name")
+
+
+def check_text(option: str, text: str | None) -> None:
+    """A text given as an argument must be UTF-8: the shell passes other bytes through undecoded."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"{option}: not UTF-8 text (character {exc.start + 1}); pass UTF-8, e.g. convert it with "
+                         "iconv -t UTF-8") from None
+
+
+def stdin_lines(stream) -> Iterator[str]:
+    """Lines of a binary stream decoded as UTF-8, without their line ends; a line that is not UTF-8 is
+    a one-line error naming it."""
+    for number, raw in enumerate(stream, 1):
+        try:
+            yield raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"standard input, line {number}: not UTF-8 text (byte {exc.start + 1}); convert it "
+                             "first, e.g. iconv -t UTF-8") from None

@@ -71,9 +71,15 @@ def load_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
         files = cfg.data_files[split]
         files = [files] if isinstance(files, str) else list(files)
         fmt = cfg.format if cfg.format != "auto" else _format_of(files[0])
-        pairs = _text_pairs(files) if fmt == "text" else _columns(_load_files(fmt, files), cfg)
-    else:
-        pairs = _columns(_load_named(cfg.dataset, cfg.subset, split), cfg)
+    source = ", ".join(files) if cfg.data_files else cfg.dataset
+    try:
+        if not cfg.data_files:
+            pairs = _columns(_load_named(cfg.dataset, cfg.subset, split), cfg)
+        else:
+            pairs = _text_pairs(files) if fmt == "text" else _columns(_load_files(fmt, files), cfg)
+    except UnicodeDecodeError as exc:  # pyarrow reads the bytes as they are and decodes them late
+        raise DataError(f"{source}: split '{split}' is not UTF-8 text (a byte {exc.object[exc.start:exc.start + 1]!r});"
+                        " convert the data to UTF-8, e.g. iconv -t UTF-8") from None
     if not pairs:
         raise DataError(f"split '{split}' of {cfg.data_files or cfg.dataset} is empty; check the files or split name")
     return pairs[: cfg.max_samples] if cfg.max_samples else pairs
@@ -99,10 +105,20 @@ def _load_files(fmt: str, files: list[str]):
 
     _check_files(files)
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error lines repeat the one raised
     try:
         return datasets.load_dataset(fmt, data_files={"split": files}, split="split")
-    except Exception as exc:  # datasets raises many kinds for unreadable files
-        raise DataError(f"could not read {', '.join(files)} as {fmt}: {first_line(exc)}") from exc
+    except Exception as exc:  # datasets raises many kinds for unreadable files, the cause chained inside
+        cause = _root_cause(exc)
+        if isinstance(cause, UnicodeDecodeError):
+            raise cause from None  # load_pairs names the files
+        raise DataError(f"could not read {', '.join(files)} as {fmt}: {first_line(cause)}") from exc
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
+        exc = exc.__cause__ or exc.__context__
+    return exc
 
 
 def _text_pairs(files: list[str]) -> list[tuple[str, str]]:
@@ -205,6 +221,10 @@ def _columns(dataset, cfg: DataConfig) -> list[tuple[str, str]]:
             nested = [f for f in flat.column_names if f.endswith("." + name)]  # e.g. translation.de for de
             hint = f"; did you mean '{nested[0]}'?" if len(nested) == 1 else ""
             raise DataError(f"{key}: field '{name}' not in the dataset (fields: {', '.join(flat.column_names)}){hint}")
+        feature = flat.features[name]
+        if getattr(feature, "dtype", None) not in ("string", "large_string", "null"):
+            raise DataError(f"{key}: field '{name}' holds {getattr(feature, 'dtype', None) or type(feature).__name__}"
+                            ", not text; point it at a text field")
     columns = flat.select_columns([cfg.source, cfg.target]).to_dict()
     return [("" if s is None else str(s), "" if t is None else str(t))
             for s, t in zip(columns[cfg.source], columns[cfg.target])]

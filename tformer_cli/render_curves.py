@@ -15,6 +15,12 @@ def score_to_plot(validation: list[dict[str, Any]]) -> str | None:
     return next((key for key in METRICS if any(record.get(key) for record in validation)), None)
 
 
+def _number(record: dict[str, Any], key: str) -> float:
+    """A figure to plot; a diverged step's null (metrics.jsonl is strict JSON) leaves a gap."""
+    value = record.get(key)
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
 def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -28,8 +34,8 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
     panels = 1 + (score is not None)
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     loss_ax = axes[0][0]
-    loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (NLL)", alpha=0.6)
-    loss_ax.plot([r["step"] for r in valid], [r["loss"] for r in valid], "o-", label="validation")
+    loss_ax.plot([r["step"] for r in train], [_number(r, "loss") for r in train], label="train (NLL)", alpha=0.6)
+    loss_ax.plot([r["step"] for r in valid], [_number(r, "loss") for r in valid], "o-", label="validation")
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("loss (nats / target token)")
     loss_ax.set_yscale("log")
@@ -47,7 +53,7 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
     if score is not None:
         ax = axes[0][1]
         points = [r for r in valid if score in r]
-        ax.plot([r["step"] for r in points], [r[score] for r in points], "o-", color="tab:green")
+        ax.plot([r["step"] for r in points], [_number(r, score) for r in points], "o-", color="tab:green")
         ax.set_xlabel("step")
         ax.set_ylabel(f"validation {METRICS[score]} (greedy)")
         ax.grid(alpha=0.3)
