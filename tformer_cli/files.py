@@ -59,13 +59,22 @@ def json_line(record: dict[str, Any]) -> str:
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one record, starting a new line if a kill left the last one unfinished."""
+    """Append one record; an unfinished last line (a write cut short by a kill) is dropped first."""
     with path.open("a+b") as f:
-        ends_mid_line = False
-        if f.seek(0, os.SEEK_END) > 0:
-            f.seek(-1, os.SEEK_END)
-            ends_mid_line = f.read(1) != b"\n"
-        f.write((("\n" if ends_mid_line else "") + json_line(record)).encode())
+        end = f.seek(0, os.SEEK_END)
+        if end:
+            f.seek(max(0, end - _TAIL))
+            tail = f.read()
+            if not tail.endswith(b"\n"):
+                cut = tail.rfind(b"\n")
+                if cut >= 0 or end <= _TAIL:
+                    f.truncate(end - len(tail) + cut + 1)
+                else:  # a line longer than the tail read: keep it, start a new one
+                    f.write(b"\n")
+        f.write(json_line(record).encode())
+
+
+_TAIL = 1 << 16
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

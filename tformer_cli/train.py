@@ -359,7 +359,8 @@ def _evaluate(setup: _Setup, state: TrainState, notify: Callback) -> dict[str, A
     if improved:
         state.best, state.best_step, state.evals_without_improvement = metric, state.step, 0
         if main:
-            save_weights(setup.model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
+            with _writing(setup.run_dir):
+                save_weights(setup.model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
     else:
         state.evals_without_improvement += 1
     record["best"] = improved
@@ -394,22 +395,29 @@ def _checkpoint(setup: _Setup, notify: Callback) -> None:
         trainer_state["ema"] = setup.ema.state_dict()
     if setup.scaler.is_enabled():
         trainer_state["scaler"] = setup.scaler.state_dict()
-    try:
+    with _writing(setup.run_dir):
         path = save_checkpoint(setup.run_dir, state.step, setup.model, trainer_state, setup.config.train.keep_last)
         if setup.config_unsaved:  # the config that the checkpoint continues under
             save_run_files(setup.run_dir, setup.config)
             setup.config_unsaved = False
-    except CheckpointError as exc:
-        last = step_checkpoints(setup.run_dir)
-        kept = f"the last checkpoint, {last[-1].name}, is intact: once there is room, resume with tformer train " \
-               f"--resume {setup.run_dir}" if last else "no checkpoint was kept"
-        raise CheckpointError(f"{exc}; {kept}") from exc
-    setup.saved_step = state.step
-    if setup.ema is not None:  # the average as a checkpoint of its own, for eval and generate
-        (setup.run_dir / CHECKPOINTS / "ema").mkdir(exist_ok=True)
-        with setup.ema.applied():
-            save_weights(setup.model, setup.run_dir / CHECKPOINTS / "ema" / WEIGHTS,
-                         {"step": str(state.step), "ema_decay": str(setup.ema.decay)})
-    if not setup.validates:  # no validation: the latest weights are the run's weights
-        save_weights(setup.model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
+        setup.saved_step = state.step
+        if setup.ema is not None:  # the average as a checkpoint of its own, for eval and generate
+            (setup.run_dir / CHECKPOINTS / "ema").mkdir(exist_ok=True)
+            with setup.ema.applied():
+                save_weights(setup.model, setup.run_dir / CHECKPOINTS / "ema" / WEIGHTS,
+                             {"step": str(state.step), "ema_decay": str(setup.ema.decay)})
+        if not setup.validates:  # no validation: the latest weights are the run's weights
+            save_weights(setup.model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
     notify("checkpoint", {"step": state.step, "path": str(path)})
+
+
+@contextmanager
+def _writing(run_dir: Path):
+    """A failed write of the run (a full disk, say) names the checkpoint that is intact and how to resume."""
+    try:
+        yield
+    except CheckpointError as exc:
+        last = step_checkpoints(run_dir)
+        kept = (f"the last checkpoint, {last[-1].name}, is intact: once there is room, resume with tformer train "
+                f"--resume {run_dir}") if last else "no checkpoint was written yet"
+        raise CheckpointError(f"{exc}; {kept}") from exc

@@ -1,0 +1,208 @@
+"""Nothing lost: --overwrite, the data cache, signals, a full disk, a killed start, resumed overrides, metrics."""
+
+import json
+import os
+import pickle
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import tformer_cli.train as training
+from conftest import write_config
+from tformer_cli.cli import app
+from tformer_cli.data import cache_dir
+from tformer_cli.evaluation import label_smoothed_loss
+from tformer_cli.files import append_jsonl, read_jsonl
+from tformer_cli.run_folder import MARKER
+from tformer_cli.runtime import step_checkpoints
+
+runner = CliRunner()
+
+
+def _train(*args):
+    return runner.invoke(app, ["train", *map(str, args), "--quiet"])
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_overwrite_never_deletes_a_folder_that_tformer_did_not_make(tmp_path):
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 1})
+    user = tmp_path / "p"  # the issue's example: a project folder that happens to hold a config.yaml
+    (user / "src").mkdir(parents=True)
+    (user / "config.yaml").write_text("x\n")
+    (user / "src" / "a.py").write_text("y\n")
+    result = _train(config, "--output-dir", user, "--overwrite")
+    assert result.exit_code == 1 and "holds no tformer run (no .tformer-run marker)" in result.stderr
+    assert (user / "src" / "a.py").read_text() == "y\n" and (user / "config.yaml").read_text() == "x\n"
+
+    run = tmp_path / "run"
+    assert _train(config, "--output-dir", run).exit_code == 0 and (run / MARKER).is_file()
+    (run / "notes.txt").write_text("mine")  # a user's file inside a run folder is not tformer's to delete
+    (run / "checkpoints" / "keep").mkdir()
+    result = _train(config, "--output-dir", run, "--overwrite")
+    assert result.exit_code == 1 and "holds files tformer did not write (2, e.g." in result.stderr
+    assert (run / "notes.txt").read_text() == "mine" and step_checkpoints(run)
+    (run / "notes.txt").unlink()
+    (run / "checkpoints" / "keep").rmdir()
+    assert _train(config, "--output-dir", run, "--overwrite").exit_code == 0  # only tformer's files: replaced
+
+
+class _Planted:
+    """A pickle that would create a file if it were ever unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.write_text, (self.path, "pwned"))
+
+
+@pytest.mark.parametrize("entry", ["pickle", "garbage", "truncated", "wrong tensors"])
+def test_a_planted_or_broken_cache_entry_is_rebuilt_and_never_run(tmp_path, monkeypatch, entry):
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "cache"))
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 2})
+    assert _train(config, "--output-dir", tmp_path / "first").exit_code == 0
+    entries = sorted((cache_dir() / "encoded").iterdir())
+    assert entries and all(p.suffix == ".safetensors" for p in entries)
+    for path in entries:
+        if entry == "pickle":
+            path.write_bytes(pickle.dumps(_Planted(tmp_path / "pwned.txt")))
+        elif entry == "garbage":
+            path.write_bytes(os.urandom(300))
+        elif entry == "truncated":
+            path.write_bytes(path.read_bytes()[:-7])
+        else:
+            from safetensors.torch import save_file
+            save_file({"src_ids": torch.zeros(3)}, str(path), metadata={"format": "3"})
+    result = runner.invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "second")])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "pwned.txt").exists()
+    notices = [line for line in result.stderr.splitlines() if "rebuilding the cached encoding" in line]
+    assert len(notices) == len(entries)
+    assert _same_weights(tmp_path / "first", tmp_path / "second")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_exits_128_plus_its_number_with_one_line_to_resume(tmp_path, monkeypatch, signum):
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 6})
+    calls = []
+
+    def loss_then_signal(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signum)
+        return label_smoothed_loss(*args)
+
+    monkeypatch.setattr(training, "label_smoothed_loss", loss_then_signal)
+    run = tmp_path / "run"
+    result = _train(config, "--output-dir", run)
+    assert result.exit_code == 128 + signum
+    name = signal.Signals(signum).name
+    assert result.stderr.strip() == (f"stopped by {name} after step 3; checkpoint {run}/checkpoints/step-00000003; "
+                                     f"resume with: tformer train --resume {run}")
+    monkeypatch.undo()
+    assert _train("--resume", run).exit_code == 0
+    assert _train(config, "--output-dir", tmp_path / "straight").exit_code == 0
+    assert _same_weights(run, tmp_path / "straight")
+
+
+def test_a_start_stopped_during_setup_is_accepted_by_the_command_it_suggests(tmp_path, monkeypatch):
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 3})
+    run = tmp_path / "run"
+
+    def stop(*args):  # SIGTERM once the vocabulary is learned and saved, while the data is encoded
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(training, "load_encoded", stop)
+    result = _train(config, "--output-dir", run)
+    assert result.exit_code == 143
+    assert result.stderr.strip() == ("stopped by SIGTERM during setup, before the first step; start it again "
+                                     f"with: tformer train --resume {run}")
+    monkeypatch.undo()
+    evaluated = runner.invoke(app, ["eval", str(run)])
+    assert evaluated.exit_code == 1 and f"tformer train --resume {run}" in evaluated.stderr
+    again = _train(config, "--output-dir", run)  # the same command again is accepted too: nothing trained yet
+    assert again.exit_code == 0, again.output
+    (run / "model.safetensors").rename(tmp_path / "straight.safetensors")
+    for checkpoint in step_checkpoints(run):  # back to the state the kill left
+        import shutil
+        shutil.rmtree(checkpoint)
+    (run / "metrics.jsonl").unlink()
+    assert _train("--resume", run).exit_code == 0
+    assert torch.equal(torch.cat([t.flatten() for t in _weights(run).values()]),
+                       torch.cat([t.flatten() for t in load_file(str(tmp_path / "straight.safetensors")).values()]))
+
+
+def test_overrides_that_make_a_resume_diverge_are_not_recorded(tmp_path, monkeypatch):
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 2, "save_every": 2, "log_every": 1})
+    run = tmp_path / "run"
+    assert _train(config, "--output-dir", run).exit_code == 0
+
+    def poisoned(*args):
+        loss, nll = label_smoothed_loss(*args)
+        return loss * float("nan"), nll
+
+    monkeypatch.setattr(training, "label_smoothed_loss", poisoned)
+    result = _train("--resume", run, "--set", "train.max_steps=6", "--set", "train.lr=10")
+    assert result.exit_code == 1 and "training diverged at step 3" in result.stderr
+    saved = (run / "config.yaml").read_text()
+    assert "max_steps: 2" in saved and "lr: 10" not in saved
+    monkeypatch.undo()
+    resumed = runner.invoke(app, ["train", "--resume", str(run), "--set", "train.max_steps=4", "--json"])
+    assert json.loads(resumed.stdout)["step"] == 4
+    assert "max_steps: 4" in (run / "config.yaml").read_text()  # recorded with the checkpoint made under it
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_files(tmp_path, monkeypatch):
+    import tformer_cli.runtime as runtime
+    from safetensors import SafetensorError
+
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 4, "save_every": 2})
+    run = tmp_path / "run"
+    real = runtime.save_model
+    calls = []
+
+    def fills_the_disk(model, filename, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                  "message: \"No space left on device\" })")
+        real(model, filename, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "save_model", fills_the_disk)
+    result = _train(config, "--output-dir", run)
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert "No space left on device" in result.stderr and f"resume with tformer train --resume {run}" in result.stderr
+    assert [c.name for c in step_checkpoints(run)] == ["step-00000002"]
+    assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_metrics_are_strict_json_and_a_cut_last_line_is_skipped(tmp_path, trained_run):
+    path = tmp_path / "metrics.jsonl"
+    append_jsonl(path, {"step": 1, "loss": float("nan"), "ppl": float("inf")})
+    record = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"bare {name}"))
+    assert record == {"step": 1, "loss": None, "ppl": None}
+    with path.open("a") as f:
+        f.write('{"step": 2, "lo')  # a kill in the middle of a write
+    assert read_jsonl(path) == [record]
+    append_jsonl(path, {"step": 3})  # the cut line is dropped, the next record starts a line of its own
+    assert [r["step"] for r in read_jsonl(path)] == [1, 3]
+
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"split": "validation", "step": 3')
+    assert runner.invoke(app, ["plot", str(run)]).exit_code == 0
+    assert runner.invoke(app, ["average", str(run), "--best", "1"]).exit_code == 0
