@@ -121,10 +121,10 @@ def test_a_start_stopped_during_setup_is_accepted_by_the_command_it_suggests(tmp
     config = write_config(tmp_path / "t.yaml", train={"max_steps": 3})
     run = tmp_path / "run"
 
-    def stop(*args):  # SIGTERM once the vocabulary is learned and saved, while the data is encoded
+    def stop(*args):  # SIGTERM once the data is loaded and the run's files saved, as the model is built
         os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(training, "load_encoded", stop)
+    monkeypatch.setattr(training, "build_model", stop)
     result = _train(config, "--output-dir", run)
     assert result.exit_code == 143
     assert result.stderr.strip() == ("stopped by SIGTERM during setup, before the first step; start it again "

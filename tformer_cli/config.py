@@ -232,8 +232,9 @@ Need = Callable[[bool, str, str], None]  # need(ok, key, message) records the me
 
 
 def _validate_model(m: ModelConfig, need: Need) -> None:
-    for key in ("d_model", "num_heads", "d_ff", "max_len"):
-        need(getattr(m, key) > 0, f"model.{key}", f"must be > 0, got {getattr(m, key)}")
+    for key in ("d_model", "num_heads", "d_ff", "max_len"):  # d_ff, 4 * d_model by default, follows d_model's error
+        need(getattr(m, key) > 0 or (key == "d_ff" and m.d_model <= 0), f"model.{key}",
+             f"must be > 0, got {getattr(m, key)}")
     for key in ("num_encoder_layers", "num_decoder_layers"):
         need(getattr(m, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(m, key)}")
     if m.d_model > 0 and m.num_heads > 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from tformer_cli.errors import ConfigError
+from tformer_cli.errors import ConfigError, first_line
 
 
 def read_yaml(path: Path, sections: typing.Collection[str], seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -29,18 +30,23 @@ def read_yaml(path: Path, sections: typing.Collection[str], seen: tuple[Path, ..
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'extends' forms a cycle; remove one of the extends lines")
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8")) or {}
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        raise ConfigError(f"{path}: invalid YAML{where}: {first_line(getattr(exc, 'problem', None) or exc)}") from None
+    if data is None:
+        raise ConfigError(f"{path}: the file is empty; write the sections to change ({', '.join(sections)}), "
+                          "e.g. start from configs/base.yaml")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections ({', '.join(sections)})")
     parent = data.pop("extends", None)
     if parent is None:
         return data
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"{path}: extends: expected a file name, got {parent!r}")
     base = read_yaml(path.parent / parent, sections, seen + (path.resolve(),))
     return merge(base, data, sections)
 
@@ -95,7 +101,7 @@ def build_sections(raw: dict[str, Any], sections: dict[str, type], errors: list[
     built: dict[str, Any] = {}
     for name, value in raw.items():
         if name not in sections:
-            errors.append(f"unknown section '{name}'{_suggest(name, sections)} (sections: {', '.join(sections)})")
+            errors.append(f"unknown section {_quoted(name)}{_suggest(name, sections)} (sections: {', '.join(sections)})")
             continue
         if value is None:
             value = {}
@@ -114,7 +120,7 @@ def _build_section(name: str, cls: type, values: dict[str, Any], errors: list[st
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
-            errors.append(f"{name}.{key}: unknown key{_suggest(key, fields)}")
+            errors.append(f"{name}.{_shown(key)}: unknown key{_suggest(key, fields)}")
             continue
         problem, value = check_type(value, hints[key])
         if problem:
@@ -124,8 +130,17 @@ def _build_section(name: str, cls: type, values: dict[str, Any], errors: list[st
     return cls(**kwargs)
 
 
+def _shown(name: Any) -> str:
+    """A key as written, or quoted where it would break the one-line message (a newline, say)."""
+    return name if isinstance(name, str) and name.isprintable() and name else repr(name)
+
+
+def _quoted(name: Any) -> str:
+    return f"'{name}'" if _shown(name) == name else _shown(name)
+
+
 def _suggest(name: str, options: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1)
+    close = difflib.get_close_matches(str(name), list(options), n=1)
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
@@ -157,14 +172,17 @@ def check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
         ok = isinstance(value, int) and not isinstance(value, bool)
         return (None, value) if ok else (f"expected an integer, got {value!r}", value)
     if hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return None, float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
             try:
-                return None, float(value)
+                number = float(value)
             except ValueError:
                 pass
-        return f"expected a number, got {value!r}", value
+        if number is None:
+            return f"expected a number, got {value!r}", value
+        return (None, number) if math.isfinite(number) else (f"expected a finite number, got {value!r}", value)
     if hint is str:
         return (None, value) if isinstance(value, str) else (f"expected a string, got {value!r}", value)
     return None, value

@@ -98,6 +98,8 @@ def _check_files(files: list[str]) -> None:
         if not Path(path).is_file():
             raise DataError(f"data file not found: {path}; fix data.data_files (paths are relative to the "
                             "current directory)")
+        if Path(path).stat().st_size == 0:
+            raise DataError(f"{path}: the file is empty; point data.data_files (or --data-files) at the data")
 
 
 def _load_files(fmt: str, files: list[str]):
@@ -112,6 +114,9 @@ def _load_files(fmt: str, files: list[str]):
         cause = _root_cause(exc)
         if isinstance(cause, UnicodeDecodeError):
             raise cause from None  # load_pairs names the files
+        if "invalid utf8" in str(cause).lower():  # pyarrow's csv reader, which has no exception of its own for it
+            raise DataError(f"{', '.join(files)}: not UTF-8 text ({first_line(cause)}); convert the data to UTF-8, "
+                            "e.g. iconv -t UTF-8") from None
         raise DataError(f"could not read {', '.join(files)} as {fmt}: {first_line(cause)}") from exc
 
 

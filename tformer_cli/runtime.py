@@ -151,10 +151,14 @@ def load_trainer_state(checkpoint: Path | str) -> dict[str, Any]:
     """Optimizer, step and RNG state, read as plain tensors and containers only (``weights_only``): a
     run folder from elsewhere cannot run code when it is resumed, as the weights are safetensors."""
     try:
-        return torch.load(Path(checkpoint) / TRAINER, map_location="cpu", weights_only=True)
+        saved = torch.load(Path(checkpoint) / TRAINER, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"{checkpoint}: unreadable trainer state ({first_line(exc)}); resume from an "
                               "earlier checkpoint by deleting this one") from exc
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(key), dict) for key in ("optimizer", "state", "rng")):
+        raise CheckpointError(f"{checkpoint}: unreadable trainer state (not the one tformer writes); resume from an "
+                              "earlier checkpoint by deleting this one")
+    return saved
 
 
 def save_run_files(run_dir: Path, config: Config, vocab: Vocabulary | None = None) -> None:
@@ -209,7 +213,8 @@ def _run_of(folder: Path) -> Path:
     for candidate in (folder, folder.parent, folder.parent.parent):
         if (candidate / "config.yaml").is_file():
             return candidate
-    raise CheckpointError(f"{folder}: cannot find the run folder (config.yaml) this checkpoint belongs to")
+    raise CheckpointError(f"{folder}: not a run folder (no config.yaml), nor a checkpoint inside one; pass the "
+                          "folder `tformer train` wrote, e.g. runs/demo")
 
 
 def load_run(path: Path, device: torch.device | str = "cpu") -> LoadedRun:
@@ -273,7 +278,16 @@ def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
                 raise UsageError(f"--output {output}: holds weights that are not an average; pick another folder")
     total: dict[str, torch.Tensor] = {}
     for checkpoint in checkpoints:
-        for name, tensor in load_file(str(checkpoint / WEIGHTS)).items():
+        try:
+            weights = load_file(str(checkpoint / WEIGHTS))
+        except Exception as exc:  # safetensors' own error for a file it cannot parse
+            raise CheckpointError(f"{checkpoint / WEIGHTS}: unreadable weights ({first_line(exc)}); leave this "
+                                  "checkpoint out (e.g. a smaller --last)") from None
+        shapes = {name: tensor.shape for name, tensor in weights.items()}
+        if total and shapes != {name: tensor.shape for name, tensor in total.items()}:
+            raise CheckpointError(f"{checkpoint / WEIGHTS}: its weights differ in names or shapes from "
+                                  f"{checkpoints[0].name}'s; average checkpoints of one run only")
+        for name, tensor in weights.items():
             total[name] = total.get(name, 0) + tensor.double()
     average = {name: (tensor / len(checkpoints)).float().contiguous() for name, tensor in total.items()}
     output.mkdir(parents=True, exist_ok=True)

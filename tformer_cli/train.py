@@ -24,7 +24,7 @@ from tformer_cli.config import Config, TrainConfig
 from tformer_cli.data import (
     EncodedSplit, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary)
 from tformer_cli.ema import WeightEMA
-from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError
+from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError, first_line
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
 from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
@@ -104,8 +104,6 @@ class _Setup:
         else:
             notify("setup", {"message": "learning the BPE vocabulary"})
             self.vocab = train_or_load_vocabulary(data, warn)
-            if self.workers.main:
-                save_run_files(self.run_dir, self.config, self.vocab)
         notify("setup", {"message": "tokenising"})
         self.train_data = load_encoded(data, data.train_split, self.vocab, warn)
         if not data.bpe_dropout:  # its texts serve only to segment it afresh: 580,000 pairs' are 185 MiB
@@ -116,6 +114,8 @@ class _Setup:
         self.validates = data.validation_split is not None  # rank 0 validates; the others take its figures
         self.valid_data = load_encoded(data, data.validation_split, self.vocab, warn) \
             if self.validates and self.workers.main else None
+        if not resume and self.workers.main:  # once the data has loaded: a start that fails on it leaves nothing
+            save_run_files(self.run_dir, self.config, self.vocab)
 
     def _restore(self) -> dict:
         checkpoints = step_checkpoints(self.run_dir)
@@ -123,11 +123,15 @@ class _Setup:
             raise CheckpointError(f"{self.run_dir}: no checkpoint to resume from; start a new run instead")
         saved = load_trainer_state(checkpoints[-1])
         load_weights(self.model, checkpoints[-1] / WEIGHTS)
-        self.optimizer.load_state_dict(saved["optimizer"])
-        if self.scaler.is_enabled() and "scaler" in saved:
-            self.scaler.load_state_dict(saved["scaler"])
-        self.state = TrainState(**saved["state"])
-        set_rng_state(saved["rng"])
+        try:
+            self.optimizer.load_state_dict(saved["optimizer"])
+            if self.scaler.is_enabled() and "scaler" in saved:
+                self.scaler.load_state_dict(saved["scaler"])
+            self.state = TrainState(**saved["state"])
+            set_rng_state(saved["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # what torch raises for a state that does not fit
+            raise CheckpointError(f"{checkpoints[-1]}: its trainer state does not fit this run ({first_line(exc)}); "
+                                  "resume from an earlier checkpoint by deleting this one") from None
         if self.workers.main:  # what was logged after that checkpoint is logged again as training repeats it
             metrics = self.run_dir / METRICS
             if metrics.is_file():
