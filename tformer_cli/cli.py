@@ -5,6 +5,7 @@ Heavy imports (torch, datasets) happen inside command bodies so that `tformer --
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -125,9 +126,9 @@ def train(
     progress = TrainProgress(quiet or json_output)
     try:
         result = run_training(cfg, run_dir, resume=resume is not None, callback=progress, workers=workers)
-    except Interrupted as exc:  # during setup, before the first step
+    except KeyboardInterrupt as exc:  # during setup, before the first step
         progress.close()
-        _stopped_by_signal(exc.signum, run_dir, None, workers.main)
+        _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), run_dir, None, workers.main)
     finally:
         progress.close()
         parallel.leave()
@@ -142,7 +143,6 @@ def _stopped_by_signal(signum: int, run_dir: Path, step: int | None, main: bool)
     """One line on stderr (also under --quiet): where training stopped and the command that resumes it;
     exit status 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as shells report it."""
     import shlex
-    import signal
     import sys
 
     from tformer_cli.render import err_console
@@ -424,4 +424,10 @@ def _chunks(lines, size: int):
 
 
 def main() -> None:
+    # SIGTERM (a scheduler's or a container's stop) is handled like Ctrl-C: one line and exit status 143
+    signal.signal(signal.SIGTERM, _terminate)
     app()
+
+
+def _terminate(signum: int, frame) -> None:  # noqa: ANN001 - the signal module's signature
+    raise Interrupted(signum)

@@ -15,6 +15,7 @@ _TOP = {MARKER, "config.yaml", "tokenizer.json", "tokenizer-source.json", "token
         "model.safetensors", "metrics.jsonl", "curves.png"}
 _CHECKPOINT_FILES = {"model.safetensors", "trainer.pt"}
 _CHECKPOINT_FOLDER = re.compile(r"step-\d{8}|ema|average-[\w.-]+")
+_WRITERS_TEMPORARY = re.compile(r"\.tmp\w{6,}")  # safetensors' own, beside a file it was killed writing
 
 
 def mark_run_folder(run_dir: Path) -> None:
@@ -39,7 +40,7 @@ def foreign_files(run_dir: Path) -> list[Path]:
         name = _final_name(path.name)
         if path.name == "checkpoints" and path.is_dir() and not path.is_symlink():
             foreign += _foreign_checkpoints(path)
-        elif name not in _TOP or not path.is_file() or path.is_symlink():
+        elif not _is_own_file(path, _TOP):
             foreign.append(path)
     return foreign
 
@@ -51,9 +52,13 @@ def _foreign_checkpoints(folder: Path) -> list[Path]:
                 and not checkpoint.is_symlink()):
             foreign.append(checkpoint)
             continue
-        foreign += [f for f in sorted(checkpoint.iterdir())
-                    if _final_name(f.name) not in _CHECKPOINT_FILES or not f.is_file() or f.is_symlink()]
+        foreign += [f for f in sorted(checkpoint.iterdir()) if not _is_own_file(f, _CHECKPOINT_FILES)]
     return foreign
+
+
+def _is_own_file(path: Path, names: set[str]) -> bool:
+    own_name = _final_name(path.name) in names or _WRITERS_TEMPORARY.fullmatch(path.name)
+    return bool(own_name) and path.is_file() and not path.is_symlink()
 
 
 def _final_name(name: str) -> str:
