@@ -29,7 +29,9 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from systems import LIBRARIES, PEERS, SIZES, Tformer, available_peers, make_batch  # noqa: E402
 
-from tformer_cli.model.linear import PACKING, PACKING_BF16  # noqa: E402
+import systems  # noqa: E402
+from tformer_cli.accel.linear import PACKING, PACKING_BF16  # noqa: E402
+from tformer_cli.accel.ops import LINEAR_POINTWISE, REORDER_LINEAR_WEIGHT  # noqa: E402
 
 WORKLOADS = ("train", "greedy", "beam", "memory", "data")
 HIGHER_IS_BETTER = {"train": True, "greedy": True, "beam": True, "memory": False, "data": True}
@@ -44,8 +46,8 @@ def matmul_peak(device: torch.device, precision: str) -> float:
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     products = [lambda: a @ b]
     if device.type == "cpu" and (PACKING_BF16 if dtype == torch.bfloat16 else PACKING):
-        packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
-        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+        packed = REORDER_LINEAR_WEIGHT(b, n)
+        products.append(lambda: LINEAR_POINTWISE(a, packed, None, "none", [], ""))
     return max(2 * n**3 / _fastest(product, device) for product in products)
 
 
@@ -142,7 +144,7 @@ def run_speed_fresh(workload: str, size: str, args: argparse.Namespace, peers: l
     training at "base", greedy decoding at "small" ran 8-15 % slower for every system), so a figure does
     not depend on which workloads ran before it."""
     command = [sys.executable, __file__, "--probe-speed", workload, size, "--peak", repr(peak),
-               "--device", args.device, "--precision", PRECISION, "--peers", ",".join(peers),
+               "--device", args.device, "--precision", PRECISION, "--accel", systems.ACCEL, "--peers", ",".join(peers),
                "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--train-batch", str(args.train_batch)]
     out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -172,9 +174,6 @@ def probe_memory(system_key: str, size: str, device_name: str, precision: str) -
     global PRECISION
     PRECISION = precision
     device = torch.device(device_name)
-    from tformer_cli.runtime import tune_runtime
-
-    tune_runtime()
     cls = Tformer if system_key == "tformer" else PEERS[system_key]
     importlib.import_module(LIBRARIES[system_key])  # library code is loaded before the baseline
     batch = make_batch(SIZES[size], 64, 24, device)
@@ -200,7 +199,8 @@ def run_memory(size: str, device, peers, repeats: int = 3) -> list[dict]:
     for key in ["tformer", *peers]:
         peaks = []
         for _ in range(repeats):
-            out = subprocess.run([sys.executable, __file__, "--probe-memory", key, size, device.type, PRECISION],
+            out = subprocess.run([sys.executable, __file__, "--probe-memory", key, size, device.type, PRECISION,
+                                  "--accel", systems.ACCEL],
                                  capture_output=True, text=True, check=True)
             probe = json.loads(out.stdout.strip().splitlines()[-1])
             peaks.append(probe["peak_mib"])
@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="sentences of 24 tokens per training step (default: 64 on CPU, 512 on CUDA)")
     parser.add_argument("--precision", choices=["fp32", "bf16"],
                         help="autocast for every system (default: fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--accel", default="auto", choices=["auto", "off"],
+                        help="tformer's speed layer (tformer_cli/accel): auto, or off for the plain model")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--probe-memory", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--probe-speed", nargs=2, help=argparse.SUPPRESS)
@@ -313,12 +315,10 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     global PRECISION
     PRECISION = args.precision or ("bf16" if on_cuda else "fp32")
+    systems.ACCEL = args.accel
     if args.probe_memory:
         print(json.dumps(probe_memory(*args.probe_memory)))
         return
-    from tformer_cli.runtime import tune_runtime
-
-    tune_runtime()
     torch.manual_seed(0)
     device = torch.device(args.device)
     peers = [p for p in args.peers.split(",") if p in available_peers()]
@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     print_table(records, f"{device.type} ({os.cpu_count()} cores)" if device.type == "cpu"
                 else torch.cuda.get_device_name(), peak)
     if args.json:
-        meta = {"device": args.device, "precision": PRECISION, "matmul_peak_flops": peak, "torch": torch.__version__}
+        meta = {"device": args.device, "precision": PRECISION, "accel": args.accel, "matmul_peak_flops": peak,
+                "torch": torch.__version__}
         args.json.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
 
 

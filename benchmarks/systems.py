@@ -18,6 +18,7 @@ from torch import nn
 
 PAD, BOS, EOS = 0, 1, 2
 SMOOTHING = 0.1
+ACCEL = "auto"  # tformer's speed layer: auto or off (benchmarks/run.py --accel)
 
 # nn.Transformer's inference fast path makes nested tensors of masked sources and warns at every call
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors", category=UserWarning)
@@ -95,13 +96,14 @@ class Tformer(System):
     supports_beam = True
 
     def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
+        from tformer_cli.accel import accelerate
         from tformer_cli.config import ModelConfig
         from tformer_cli.model import build_model
 
         self.name = "tformer"
         cfg = ModelConfig(d_model=size.d_model, num_heads=size.heads, num_encoder_layers=size.layers,
                           num_decoder_layers=size.layers, d_ff=size.d_ff, dropout=0.1, max_len=256)
-        self.model = build_model(cfg, size.vocab).to(device)
+        self.model = accelerate(build_model(cfg, size.vocab).to(device), device, ACCEL)
         self.optimizer = _adam(self.model.parameters(), fused)
 
     def train_step(self, batch: TrainBatch) -> None:

@@ -32,23 +32,6 @@ def test_sdpa_matches_torch_reference_on_both_paths(shape, masked):
     torch.testing.assert_close(weights.sum(-1), torch.ones(B, H, T))
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_one_query_at_inference_takes_two_products_and_equals_torchs_kernel(masked, monkeypatch):
-    q, k, v = torch.randn(6, 4, 1, 8), torch.randn(6, 4, 9, 8), torch.randn(6, 4, 9, 8)
-    tokens = torch.randint(1, 9, (6, 9))
-    tokens[1, 5:] = 0
-    mask = padding_mask(tokens, 0) if masked else None
-    reference = SDPA(q, k, v, attn_mask=mask)
-    calls = []
-    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or SDPA(*a, **kw))
-    with torch.no_grad():
-        out, _ = scaled_dot_product_attention(q, k, v, mask)
-        strided, _ = scaled_dot_product_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, mask)
-    torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(strided, reference, atol=1e-6, rtol=1e-5)
-    assert len(calls) == 1  # only the strided keys went to torch's kernel
-
-
 def test_additive_mask_equals_boolean_mask():
     q, k, v = (torch.randn(2, 2, 4, 8) for _ in range(3))
     keep = torch.tensor([True, True, False, True])
@@ -136,48 +119,3 @@ def test_fp64_training_attention_stays_fp64():
     expected = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, expected)
-
-
-@pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("need_weights", [False, True])
-def test_bf16_decoding_on_cpu_caches_bf16_only_with_amx(need_weights, amx, monkeypatch):
-    monkeypatch.setattr("tformer_cli.model.attention.BF16_ATTENTION", amx)
-    keys = [torch.randn(2, 3, 1, 8) for _ in range(4)]
-    q = torch.randn(2, 3, 1, 8)
-    cache = KVCache()
-    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-        for key in keys:
-            k, v = cache.append(key.bfloat16(), key.bfloat16() * 2)
-        out, _ = scaled_dot_product_attention(q.bfloat16(), k, v, need_weights=need_weights)
-    assert cache.kv.dtype == (torch.bfloat16 if amx else torch.float32) and out.dtype == torch.bfloat16
-    torch.testing.assert_close(k.float(), torch.cat(keys, dim=2).bfloat16().float())
-    expected = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(keys, dim=2) * 2)
-    torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=0.05)
-
-
-@pytest.mark.parametrize("amx", [False, True])
-def test_bf16_inference_attention_on_cpu_runs_the_kernel_in_fp32_without_amx(amx, monkeypatch):
-    monkeypatch.setattr("tformer_cli.model.attention.BF16_ATTENTION", amx)
-    seen = []
-    monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda q, *args, **kwargs: seen.append(q.dtype) or SDPA(q, *args, **kwargs))
-    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
-    with torch.inference_mode():
-        out, _ = scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
-    assert seen == [torch.bfloat16 if amx else torch.float32] and out.dtype == torch.bfloat16
-    expected = SDPA(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), is_causal=True)
-    torch.testing.assert_close(out.float(), expected, atol=0.02, rtol=0.02)
-
-
-def test_one_bf16_query_runs_on_one_thread_and_restores_the_thread_count(monkeypatch):
-    monkeypatch.setattr("tformer_cli.model.attention.BF16_ATTENTION", True)  # bf16 keys are cached with AMX only
-    q, k, v = (torch.randn(3, 2, n, 8).bfloat16() for n in (1, 5, 5))
-    seen = []
-    monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda *args, **kwargs: seen.append(torch.get_num_threads()) or SDPA(*args, **kwargs))
-    threads = torch.get_num_threads()
-    with torch.inference_mode():
-        out, _ = scaled_dot_product_attention(q, k, v)
-        scaled_dot_product_attention(torch.randn(3, 2, 2, 8).bfloat16(), k, v)  # two queries: every thread
-    assert seen == [1, threads] and torch.get_num_threads() == threads
-    torch.testing.assert_close(out.float(), SDPA(q.float(), k.float(), v.float()), atol=2e-2, rtol=2e-2)

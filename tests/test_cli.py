@@ -59,7 +59,7 @@ def test_eval_and_generate_under_bf16_autocast(run_dir):
 
 
 def test_decoding_in_bf16_warns_on_a_cpu_without_native_bf16(run_dir, monkeypatch):
-    monkeypatch.setattr("tformer_cli.runtime.native_on_cpu", lambda precision: False)
+    monkeypatch.setattr("tformer_cli.accel.ops.native_on_cpu", lambda precision: False)
     result = runner.invoke(app, ["generate", str(run_dir), "seven", "--precision", "bf16", "--device", "cpu"])
     assert result.exit_code == 0 and len(result.stdout.splitlines()) == 1
     assert "no native bf16" in result.stderr and "--precision fp32" in result.stderr

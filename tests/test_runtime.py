@@ -12,9 +12,10 @@ from tformer_cli.cli import app
 from tformer_cli.config import load_config
 from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.model import build_model
+from tformer_cli.accel import ONEDNN_CACHE_CAPACITY, widen_kernel_cache
 from tformer_cli.runtime import (
-    ONEDNN_CACHE_CAPACITY, average_checkpoints, choose_checkpoints, find_weights, load_run, load_run_config,
-    load_weights, save_checkpoint, save_weights, step_checkpoints, widen_kernel_cache)
+    average_checkpoints, choose_checkpoints, find_weights, load_run, load_run_config, load_weights,
+    save_checkpoint, save_weights, step_checkpoints)
 from tformer_cli.train import train
 
 

@@ -235,7 +235,7 @@ def test_early_stopping_on_the_validation_metric(tmp_path):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_autocast_trains_on_cpu_and_warns_where_it_would_be_slow(tmp_path, monkeypatch, native):
-    monkeypatch.setattr("tformer_cli.runtime.native_on_cpu", lambda precision: native)
+    monkeypatch.setattr("tformer_cli.accel.ops.native_on_cpu", lambda precision: native)
     path = write_config(tmp_path / "b.yaml", train={"max_steps": 3, "precision": "bf16", "device": "cpu"})
     events = []
     result = train(load_config(path), tmp_path / "run", callback=lambda event, data: events.append((event, data)))

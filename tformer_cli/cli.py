@@ -13,7 +13,7 @@ import typer
 from typer.core import TyperGroup
 
 from tformer_cli import __version__
-from tformer_cli.cli_options import (ADVANCED, AlphaOpt, BatchOpt, BeamOpt, DeviceOpt, JsonOpt, PrecisionOpt, QuietOpt,
+from tformer_cli.cli_options import (ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DeviceOpt, JsonOpt, PrecisionOpt, QuietOpt,
                                      RunArg, SetOpt, check_decoding_flags, check_image_name, check_text, decoding_autocast,
                                      stdin_lines)
 from tformer_cli.errors import Interrupted, TformerError, UsageError
@@ -175,6 +175,7 @@ def eval_command(
     length_penalty: AlphaOpt = None,
     device: DeviceOpt = None,
     precision: PrecisionOpt = "fp32",
+    accel: AccelOpt = "auto",
     json_output: JsonOpt = False,
 ) -> None:
     """Score a trained model: loss, perplexity, BLEU, chrF, exact match and decoding speed.
@@ -186,18 +187,20 @@ def eval_command(
     """
     from dataclasses import replace
 
+    from tformer_cli.accel import check_mode
     from tformer_cli.decoding import DecodeOptions
     from tformer_cli.evaluation import evaluate_run
     from tformer_cli.render import eval_table, print_json
     from tformer_cli.runtime import load_run, resolve_device
 
     check_decoding_flags(beam=beam, batch_size=batch_size, max_samples=max_samples, length_penalty=length_penalty)
+    check_mode(accel)
     for path in data_files or []:
         if not path.is_file():
             raise UsageError(f"--data-files {path}: no such file")
     dev = resolve_device(device or "auto")
     amp = decoding_autocast(dev, precision)  # checked before the model is loaded
-    loaded = load_run(run, dev)
+    loaded = load_run(run, dev, accel)
     if output:  # a folder or an unwritable path fails now, not after the evaluation (nor before the run loads)
         output.parent.mkdir(parents=True, exist_ok=True)
         open(output, "a").close()
@@ -233,6 +236,7 @@ def generate(
     length_penalty: AlphaOpt = None,
     device: DeviceOpt = None,
     precision: PrecisionOpt = "fp32",
+    accel: AccelOpt = "auto",
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object a line.")] = False,
 ) -> None:
     """Translate texts given as arguments, or standard input line by line (one output line per input).
@@ -244,18 +248,20 @@ def generate(
     """
     import sys
 
+    from tformer_cli.accel import check_mode
     from tformer_cli.decoding import DecodeOptions, default_batch_size, translate
     from tformer_cli.render import generation_lines, warn
     from tformer_cli.runtime import load_run, resolve_device
 
     check_decoding_flags(beam=beam, nbest=nbest, batch_size=batch_size, max_len=max_len, temperature=temperature,
                           top_k=top_k, top_p=top_p, length_penalty=length_penalty)
+    check_mode(accel)
     if sample and beam is not None and beam > 1:
         raise UsageError(f"--beam {beam} with --sample: sampling draws each token at random, not by beam search; "
                          "drop --beam (--nbest N draws N samples)")
     dev = resolve_device(device or "auto")
     amp = decoding_autocast(dev, precision)
-    loaded = load_run(run, dev)
+    loaded = load_run(run, dev, accel)
     limits = {"max_len_a": 0.0, "max_len_b": max_len} if max_len is not None else {}
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam, sample=sample,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, nbest=nbest,

@@ -28,6 +28,8 @@ BeamOpt = Annotated[Optional[int], typer.Option("--beam", help="Beam size; 1 is 
 BatchOpt = Annotated[Optional[int], typer.Option(help="Sentences per batch (default: config; else 256 / beam).",
                                                  rich_help_panel=ADVANCED)]
 AlphaOpt = Annotated[Optional[float], typer.Option(help="GNMT length penalty alpha.", rich_help_panel=ADVANCED)]
+AccelOpt = Annotated[str, typer.Option(
+    help="auto | off: tformer's speed layer (faster CPU kernels), or the plain model.", rich_help_panel=ADVANCED)]
 PrecisionOpt = Annotated[str, typer.Option(
     help="fp32 | bf16 | fp16: autocast while decoding (bf16 is fast on GPUs and on CPUs with AVX-512 BF16 or AMX).",
     rich_help_panel=ADVANCED)]

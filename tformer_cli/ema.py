@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from tformer_cli.accel import ops
+
 
 class WeightEMA:
     def __init__(self, model: torch.nn.Module, decay: float, updates: int = 0) -> None:
@@ -31,7 +33,7 @@ class WeightEMA:
         """Fold in the weights after one more optimizer step."""
         self.updates += 1
         decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        torch._foreach_lerp_(self.shadow, self.params, 1.0 - decay)
+        ops.foreach_lerp_(self.shadow, self.params, 1.0 - decay)
 
     @contextmanager
     def applied(self) -> Iterator[None]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tformer_cli.model import gemm
+from tformer_cli.accel import gemm, ops
 
 CHUNK_TOKENS = 512  # on CPU: (512 x 37,000) fp32 logits are 72 MiB; 1,024 was no faster and doubled them
 GPU_CHUNK_TOKENS = 8192  # on a GPU, fewer and larger matrix products keep it busy
@@ -118,9 +118,9 @@ def _smoothed_logit_grad(logits: Tensor, t: Tensor, mean_logit: Tensor, smoothin
 
 
 def _log_softmax_(logits: Tensor) -> Tensor:
-    """log_softmax over the last dimension, written over ``logits`` (torch's kernel reads each row
-    before it writes it, so the output may alias the input; tests/test_loss.py checks it does)."""
-    return torch.ops.aten._log_softmax.out(logits, -1, False, out=logits)
+    """log_softmax over the last dimension, written over ``logits`` where torch can (tests/test_loss.py
+    checks that its kernel may alias input and output)."""
+    return ops.log_softmax_(logits)
 
 
 def _rdrop_logit_grad(logits: Tensor, t: Tensor, smoothing: float, alpha: float,

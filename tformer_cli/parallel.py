@@ -120,8 +120,8 @@ class GradientSync:
                 work.wait()
         for bucket, flat in zip(self.buckets, self.flats):
             grads = [p.grad for p in bucket]
-            for grad, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                grad.copy_(summed)
+            for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
+                grad.copy_(summed.view_as(grad))
         self._reset()
 
     def close(self) -> None:
@@ -148,7 +148,7 @@ class GradientSync:
             for p in bucket:
                 if p.grad is None:  # not used this step: it contributes zeros
                     p.grad = torch.zeros_like(p)
-            flat = torch._utils._flatten_dense_tensors([p.grad for p in bucket])
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
             with self.workers.together():
                 self.pending.append(dist.all_reduce(flat, async_op=True))
             self.flats.append(flat)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
+from tformer_cli.accel import ops
 from tformer_cli.config import Config, load_config, to_yaml
 from tformer_cli.errors import CheckpointError, UsageError, first_line
 from tformer_cli.files import read_jsonl, replacing, write_text_atomic
@@ -64,16 +65,9 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def native_on_cpu(precision: str) -> bool:
-    """Whether oneDNN has native kernels for this precision here (AVX-512 BF16 / AMX, AVX-512 FP16)."""
-    if precision == "bf16":
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-
-
 def slow_precision(device: torch.device, precision: str) -> str | None:
     """Why ``precision`` would run slower than fp32 on ``device`` (a CPU without native kernels), or None."""
-    if device.type != "cpu" or precision == "fp32" or native_on_cpu(precision):
+    if device.type != "cpu" or precision == "fp32" or ops.native_on_cpu(precision):
         return None
     return f"{precision}: this CPU has no native {precision} matrix products, so it runs slower than fp32"
 
@@ -217,17 +211,18 @@ def _run_of(folder: Path) -> Path:
                           "folder `tformer train` wrote, e.g. runs/demo")
 
 
-def load_run(path: Path, device: torch.device | str = "cpu") -> LoadedRun:
-    """Build the model of a run folder (or checkpoint) and load its weights, in eval mode."""
+def load_run(path: Path, device: torch.device | str = "cpu", accel: str = "auto") -> LoadedRun:
+    """Build the model of a run folder (or checkpoint) and load its weights, in eval mode, with the
+    speed layer ``accel`` (auto or off) applied."""
+    from tformer_cli.accel import accelerate
     from tformer_cli.model import build_model
 
-    tune_runtime()
     run_dir, weights = find_weights(Path(path))
     config = load_run_config(run_dir)
     vocab = Vocabulary.load(run_dir)
     model = build_model(config.model, vocab.src_size, vocab.tgt_size, PAD_ID)
     load_weights(model, weights)
-    return LoadedRun(run_dir, weights, config, vocab, model.to(device).eval())
+    return LoadedRun(run_dir, weights, config, vocab, accelerate(model.to(device).eval(), device, accel))
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -294,52 +289,3 @@ def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
     with replacing(output / WEIGHTS) as tmp:
         save_file(average, str(tmp), metadata={"averaged": ",".join(c.name for c in checkpoints)})
     return output
-
-
-ONEDNN_CACHE_CAPACITY = 16384
-
-
-def tune_runtime() -> None:
-    """The process-wide CPU settings that training and decoding want, applied before their first
-    step: the allocator keeps freed buffers, and oneDNN keeps a kernel for every shape it meets."""
-    tune_allocator()
-    widen_kernel_cache()
-
-
-def widen_kernel_cache() -> None:
-    """Let oneDNN keep 16,384 compiled matrix-product kernels instead of 1,024 (unless the user set
-    ONEDNN_PRIMITIVE_CACHE_CAPACITY). Takes effect only before the process's first oneDNN product.
-
-    On a CPU, bf16 matrix products run through oneDNN, which builds (JIT-compiles) a kernel for every
-    shape, ~1.5 ms each, and keeps the most recent in a cache. Batches of varying lengths give every
-    step new shapes: a Multi30k epoch at 2,048-token batches uses ~1,500 distinct kernels (1,713
-    after three epochs), so the default cache thrashes and training slows as the working set grows:
-    from 7,400 to ~6,000 target tokens/s over its first 600 steps (d_model 256, 2-core AMX CPU),
-    ~290 to ~385 ms a step over an hour. With room for all of them it holds ~7,700 throughout.
-    """
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
-
-
-def tune_allocator() -> bool:
-    """Keep freed memory in the process instead of returning it to the OS (glibc only).
-
-    Training allocates and frees the same large activation buffers every step; by default glibc
-    serves them with fresh mmap()s and trims the heap afterwards, so every step page-faults its way
-    through tens of MB again. Raising the mmap and trim thresholds makes the buffers reusable:
-    measured +17% training throughput on a 2-core CPU (d_model 256, batches of 1,500-3,600 tokens).
-    """
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-        ok = libc.mallopt(m_mmap_threshold, 32 * 2**20) == 1  # the largest glibc accepts
-        ok &= libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
-        ok &= libc.mallopt(m_top_pad, 256 * 2**20) == 1
-        return bool(ok)
-    except (OSError, AttributeError):
-        return False

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tformer_cli.accel import accelerate
 from tformer_cli.config import Config, TrainConfig
 from tformer_cli.data import (
     EncodedSplit, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary)
@@ -33,7 +34,7 @@ from tformer_cli.parallel import GradientSync, Workers
 from tformer_cli.runtime import (
     CHECKPOINTS, METRICS, WEIGHTS, autocast, load_trainer_state, load_weights, resolve_device, rng_state,
     save_checkpoint, save_run_files, save_weights, seed_everything, set_rng_state, slow_precision,
-    step_checkpoints, tune_runtime)
+    step_checkpoints)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 Callback = Callable[[str, dict[str, Any]], None]
@@ -77,6 +78,7 @@ class _Setup:
             workers.barrier()
         seed_everything(config.train.seed)  # the same initial weights in every process
         self.model = build_model(config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(device)
+        accelerate(self.model, device, config.train.accel)  # the speed layer, unless train.accel is off
         self.optimizer = make_optimizer(self.model, config.train, device)
         # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.train.precision == "fp16")
@@ -150,7 +152,6 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
         raise UsageError("data.bpe_dropout needs a single process: each process would draw its own "
                          "segmentation and their batches would differ; set data.bpe_dropout=0")
     device = resolve_device(cfg.device)
-    tune_runtime()
     resume = resume and bool(step_checkpoints(run_dir))  # a run stopped before its first checkpoint starts anew
     signals = _StopSignals()
     with signals.during_setup():

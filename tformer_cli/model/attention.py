@@ -7,18 +7,11 @@ Masks are boolean and broadcast to (B, H, T_q, T_k); True means "may attend", th
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from tformer_cli.model.dropout import dropout
-from tformer_cli.model.linear import Linear
-
-# Torch's fused CPU attention kernel is fast in bf16 only with AMX, whose tile products it calls: with
-# AVX512-BF16 alone (an AMD EPYC, 64 x 4 heads, one query, 24 keys) it took 465 us against 91 in fp32.
-BF16_ATTENTION = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
 
 
 def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
@@ -45,103 +38,50 @@ def scaled_dot_product_attention(
     Args:
         q: (B, H, T_q, d_k); k, v: (B, H, T_k, d_k).
         mask: boolean (True = attend) or additive float, broadcastable to (B, H, T_q, T_k).
+        dropout_p: dropout on the attention weights (training only).
         need_weights: take the explicit path and also return the (B, H, T_q, T_k) weights.
         is_causal: add the causal mask (query i attends keys <= i + T_k - T_q).
 
     Returns:
         (output (B, H, T_q, d_k), weights or None).
     """
-    if not need_weights and not (q.device.type == "cpu" and dropout_p > 0) and not _one_query_on_cpu(q, k):
-        # Fast path: fused kernels (flash / memory-efficient on CUDA, a fused CPU kernel otherwise). With
-        # dropout on CPU torch falls back to the steps below, with a slower dropout (see model/dropout.py).
-        if is_causal and mask is not None:
-            mask = _and_masks(mask, _causal_for(q, k))
-            is_causal = False
-        if is_causal and q.shape[-2] != k.shape[-2]:
-            mask, is_causal = _causal_for(q, k), False
-        if _fp32_on_cpu(q, k, dropout_p):
-            mask = mask.float() if mask is not None and mask.is_floating_point() else mask
-            with torch.autocast("cpu", enabled=False):
-                out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                                     is_causal=is_causal)
-            return out.to(q.dtype), None
-        with _one_thread() if _one_bf16_query_on_cpu(q, k) else nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-        return out, None
-
-    k, v = k.to(q.dtype), v.to(q.dtype)  # a CPU cache may keep fp32 (see cache_dtype)
+    if is_causal and (mask is not None or q.shape[-2] != k.shape[-2]):  # torch's is_causal aligns to the start
+        mask = causal_for(q, k) if mask is None else and_masks(mask, causal_for(q, k))
+        is_causal = False
+    if not need_weights:  # torch's fused kernels (flash / memory-efficient on CUDA)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal), None
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T_q, T_k)
     if is_causal:
-        mask = _causal_for(q, k) if mask is None else _and_masks(mask, _causal_for(q, k))
+        mask = causal_for(q, k)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     weights = scores.softmax(dim=-1)
-    out = dropout(weights, dropout_p) @ v  # (B, H, T_q, d_k)
-    return out, weights if need_weights else None
+    out = F.dropout(weights, dropout_p) @ v  # (B, H, T_q, d_k)
+    return out, weights
 
 
-def _one_query_on_cpu(q: Tensor, k: Tensor) -> bool:
-    """Whether this is one fp32 query per row against contiguous keys at inference on a CPU: greedy
-    decoding's cross-attention (see ``DecoderLayerCache``). There the steps below beat torch's fused
-    kernel, whose blocks read keys and values that the step's other layers have evicted from cache:
-    for 64 rows x 4 heads x 24 keys after a 64 MB sweep, 201 against 251 us (2-core AMD EPYC)."""
-    return (q.device.type == "cpu" and q.shape[-2] == 1 and q.dtype == k.dtype == torch.float32
-            and k.is_contiguous() and not torch.is_grad_enabled())
+class ScaledDotProductAttention(nn.Module):
+    """Equation 1 as a module, so that a faster kernel can stand in for it (``tformer_cli.accel``)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout_p: float = 0.0,
+                need_weights: bool = False, is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+        return scaled_dot_product_attention(q, k, v, mask, dropout_p, need_weights, is_causal)
+
+    def cache_dtype(self, like: Tensor) -> torch.dtype:
+        """The dtype to keep decoding's keys and values in: that of the keys."""
+        return like.dtype
 
 
-def _fp32_on_cpu(q: Tensor, k: Tensor, dropout_p: float) -> bool:
-    """Whether to run torch's fused CPU kernel (taken without dropout) in fp32 on bf16/fp16 inputs. In
-    bf16 its backward is ~4x slower (training), and its forward is 2-5x slower without AMX (decoding,
-    whose cache is then kept in fp32: see ``cache_dtype``). The inputs are small next to the matrix
-    products, which stay bf16."""
-    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and dropout_p == 0.0
-            and (q.requires_grad or k.dtype == torch.float32 or _slow_on_cpu(q.dtype)))
-
-
-def _slow_on_cpu(dtype: torch.dtype) -> bool:
-    """Whether torch's fused CPU attention kernel is slower in ``dtype`` than in fp32 on this CPU."""
-    return dtype == torch.float16 or (dtype == torch.bfloat16 and not BF16_ATTENTION)
-
-
-def _one_bf16_query_on_cpu(q: Tensor, k: Tensor) -> bool:
-    """Whether this is a bf16 decoding step's one query per row, on a CPU. Torch's fused CPU kernel runs
-    it ~2x faster on one thread than on two (49 against 126 us for 64 x 4 heads and 2 keys, 95 against
-    143 us at 24), and in a whole step that was +2.4 % greedy and +2.2 % beam tokens/s on a 2-core CPU."""
-    return (q.device.type == "cpu" and q.shape[-2] == 1 and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
-            and not torch.is_grad_enabled())
-
-
-@contextmanager
-def _one_thread():
-    """Run torch's CPU kernels on one thread inside the block (torch's thread count is process-wide)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _causal_for(q: Tensor, k: Tensor) -> Tensor:
+def causal_for(q: Tensor, k: Tensor) -> Tensor:
     """Causal mask aligned to the end: the last query sees every key (incremental decoding)."""
     t_q, t_k = q.shape[-2], k.shape[-2]
     return torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(diagonal=t_k - t_q)
 
 
-def _and_masks(mask: Tensor, causal: Tensor) -> Tensor:
+def and_masks(mask: Tensor, causal: Tensor) -> Tensor:
     if mask.dtype == torch.bool:
         return mask & causal
     return mask.masked_fill(~causal, float("-inf"))
-
-
-def cache_dtype(like: Tensor) -> torch.dtype:
-    """Keys and values are cached in fp32 on a CPU without AMX and for fp16: there torch's CPU attention
-    kernel is 2-5x slower for one bf16 query against bf16 keys than in fp32, and casting the whole cache
-    at every step costs as much. With AMX the kernel is faster in bf16 (half the bytes to read), so the
-    cache keeps the dtype of the keys."""
-    if like.device.type == "cpu" and _slow_on_cpu(like.dtype):
-        return torch.float32
-    return like.dtype
 
 
 class KVCache:
@@ -153,8 +93,9 @@ class KVCache:
     doubled when full, so appending T tokens one by one costs O(T) copies, not O(T^2).
     """
 
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, capacity: int = 64, dtype_for: Callable[[Tensor], torch.dtype] | None = None) -> None:
         self.capacity = capacity
+        self.dtype_for = dtype_for  # the dtype to store keys like these in (default: theirs)
         self.length = 0
         self.kv: Tensor | None = None  # (capacity, B, 2, H, d_k)
 
@@ -176,7 +117,7 @@ class KVCache:
 
     def _grow(self, like: Tensor, capacity: int) -> None:
         B, H, _, d_k = like.shape
-        kv = like.new_empty(capacity, B, 2, H, d_k, dtype=cache_dtype(like))
+        kv = like.new_empty(capacity, B, 2, H, d_k, dtype=self.dtype_for(like) if self.dtype_for else like.dtype)
         if self.kv is not None:
             kv[:self.length] = self.kv[:self.length]
         self.kv = kv
@@ -208,11 +149,12 @@ class MultiHeadAttention(nn.Module):
         self.dropout = dropout
         self.cross = cross
         if cross:
-            self.q_proj = Linear(d_model, d_model, bias=bias)
-            self.kv_proj = Linear(d_model, 2 * d_model, bias=bias)
+            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model, bias=bias)
         else:
-            self.qkv_proj = Linear(d_model, 3 * d_model, bias=bias)
-        self.out_proj = Linear(d_model, d_model, bias=bias)
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.attention = ScaledDotProductAttention()
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
 
     def split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -261,7 +203,7 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.append(k, v)  # (B, H, position + T, d_k)
         dropout_p = self.dropout if self.training else 0.0
-        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p, need_weights, is_causal)
+        out, weights = self.attention(q, k, v, mask, dropout_p, need_weights, is_causal)
         out = out.transpose(1, 2).reshape(B, T, d_model)  # concatenate heads (and ungroup beams): (B, T, d_model)
         if weights is not None and q.shape[0] != B:  # ungroup beams: (B_mem, H, n * T, S) -> (B, H, T, S)
             weights = weights.unflatten(2, (-1, T)).transpose(1, 2).flatten(0, 1)

@@ -7,13 +7,14 @@ as an option, x + Dropout(Sublayer(LayerNorm(x))) (pre-LN; the stack then ends w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from tformer_cli.model.attention import KVCache, MultiHeadAttention, RotaryEmbedding, cache_dtype
-from tformer_cli.model.dropout import Dropout
-from tformer_cli.model.linear import Linear
+from tformer_cli.model.attention import KVCache, MultiHeadAttention, RotaryEmbedding
+
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
 
 
 class PositionwiseFeedForward(nn.Module):
@@ -21,11 +22,12 @@ class PositionwiseFeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu") -> None:
         super().__init__()
-        self.linear1 = Linear(d_model, d_ff, activation=activation)  # max(0, x W_1 + b_1), in one call
-        self.linear2 = Linear(d_ff, d_model)
+        self.linear1 = nn.Linear(d_model, d_ff)
+        self.activation = ACTIVATIONS[activation]()
+        self.linear2 = nn.Linear(d_ff, d_model)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear2(self.linear1(x))  # (B, T, d_ff) -> (B, T, d_model)
+        return self.linear2(self.activation(self.linear1(x)))  # (B, T, d_ff) -> (B, T, d_model)
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
@@ -58,7 +60,7 @@ class TokenEmbedding(nn.Module):
             self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
         else:
             self.table = None
-        self.dropout = Dropout(dropout)
+        self.dropout = nn.Dropout(dropout)
         self.word_dropout = word_dropout
 
     def forward(self, tokens: Tensor, position: int = 0) -> Tensor:
@@ -89,7 +91,7 @@ class EncoderLayer(nn.Module):
         self.ffn = PositionwiseFeedForward(d_model, d_ff, activation)
         self.norm1 = nn.LayerNorm(d_model, eps=eps)
         self.norm2 = nn.LayerNorm(d_model, eps=eps)
-        self.dropout = Dropout(dropout)
+        self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
     def forward(self, x: Tensor, mask: Tensor | None, rotary: RotaryEmbedding | None = None,
@@ -116,7 +118,7 @@ class DecoderLayer(nn.Module):
         self.norm1 = nn.LayerNorm(d_model, eps=eps)
         self.norm2 = nn.LayerNorm(d_model, eps=eps)
         self.norm3 = nn.LayerNorm(d_model, eps=eps)
-        self.dropout = Dropout(dropout)
+        self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
     def forward(self, x: Tensor, memory: Tensor | None, self_mask: Tensor | None, memory_mask: Tensor | None,
@@ -142,21 +144,22 @@ class DecoderLayer(nn.Module):
         return x, self_weights, cross_weights
 
 
-def _residual(x: Tensor, sublayer_out: Tensor, dropout: Dropout, norm: nn.LayerNorm, norm_first: bool) -> Tensor:
+def _residual(x: Tensor, sublayer_out: Tensor, dropout: nn.Dropout, norm: nn.LayerNorm, norm_first: bool) -> Tensor:
     """Post-LN: LayerNorm(x + Dropout(sublayer)); pre-LN: x + Dropout(sublayer) (the norm was applied to
     its input)."""
-    x = dropout.residual(x, sublayer_out)
+    x = x + dropout(sublayer_out)
     return x if norm_first else norm(x)
 
 
 class DecoderLayerCache:
     """What one decoder layer keeps between decoding steps."""
 
-    def __init__(self, memory_kv: tuple[Tensor, Tensor], capacity: int) -> None:
-        self.self_kv = KVCache(capacity)
+    def __init__(self, memory_kv: tuple[Tensor, Tensor], capacity: int,
+                 dtype_for: Callable[[Tensor], torch.dtype] | None = None) -> None:
+        self.self_kv = KVCache(capacity, dtype_for)
         # cross-attention K/V, (B, H, S, d_k) each: fixed per source, made contiguous once (they are views
         # of the fused K/V projection) so that every step reads each head's keys as one block
-        self.memory_kv = tuple(t.to(cache_dtype(t)).contiguous() for t in memory_kv)
+        self.memory_kv = tuple((t.to(dtype_for(t)) if dtype_for else t).contiguous() for t in memory_kv)
 
     def select_memory(self, index: Tensor) -> None:
         """Keep the cross-attention K/V of sources ``index``."""

@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from tformer_cli.config import ModelConfig
 from tformer_cli.model.attention import RotaryEmbedding, alibi_bias, alibi_slopes, causal_mask, padding_mask
 from tformer_cli.model.layers import DecoderLayer, DecoderLayerCache, EncoderLayer, TokenEmbedding
-from tformer_cli.model.linear import Linear
 
 
 @dataclass
@@ -159,8 +158,8 @@ class Transformer(nn.Module):
     def start_cache(self, encoded: Encoded, capacity: int = 64, group: int = 1) -> DecoderCache:
         """An empty decoding cache; each layer's cross-attention K/V are computed here, once. With
         ``group`` n, the decoder will run n consecutive rows per source (beam search)."""
-        layers = [DecoderLayerCache(layer.cross_attn.project_memory(encoded.memory), capacity)
-                  for layer in self.decoder.layers]
+        layers = [DecoderLayerCache(layer.cross_attn.project_memory(encoded.memory), capacity,
+                                    layer.self_attn.attention.cache_dtype) for layer in self.decoder.layers]
         return DecoderCache(layers, encoded.mask, group)
 
 
@@ -174,7 +173,7 @@ def build_model(config: ModelConfig, src_vocab_size: int, tgt_vocab_size: int | 
         raise ValueError("share_embeddings 'all' needs one vocabulary for source and target")
     src_emb = nn.Embedding(src_vocab_size, c.d_model, padding_idx=pad_id)
     tgt_emb = src_emb if c.share_embeddings == "all" else nn.Embedding(tgt_vocab_size, c.d_model, padding_idx=pad_id)
-    output_proj = Linear(c.d_model, tgt_vocab_size, bias=False)
+    output_proj = nn.Linear(c.d_model, tgt_vocab_size, bias=False)
     norm_first = c.norm == "pre"
     layer_args = dict(d_model=c.d_model, num_heads=c.num_heads, d_ff=c.d_ff, dropout=c.dropout,
                       attention_dropout=c.attention_dropout, activation=c.activation, norm_first=norm_first,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tformer_cli.model.dropout import Dropout, dropout, keep_mask, random_words, residual_dropout
+from tformer_cli.accel.dropout import FastDropout, dropout, keep_mask, random_words
 
 
 def test_kept_elements_are_scaled_and_the_rate_is_p():
@@ -51,7 +51,7 @@ def test_seeded_masks_repeat_and_bf16_inputs_keep_their_dtype():
 
 @pytest.mark.parametrize("p", [0.0, 0.4])
 def test_identity_in_eval_mode_and_at_zero_rate(p):
-    layer = Dropout(p).eval()
+    layer = FastDropout(p).eval()
     x = torch.randn(4, 4)
     assert layer(x) is x
     assert dropout(x, 0.0) is x
@@ -59,37 +59,6 @@ def test_identity_in_eval_mode_and_at_zero_rate(p):
 
 def test_rate_one_drops_everything():
     assert dropout(torch.ones(3, 3), 1.0).abs().sum().item() == 0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_residual_dropout_is_x_plus_dropout_of_y_with_the_same_mask(dtype):
-    x = torch.randn(16, 8, 32, requires_grad=True)
-    y = torch.randn(16, 8, 32, dtype=dtype, requires_grad=True)
-    torch.manual_seed(3)
-    out = residual_dropout(x, y, 0.2)
-    torch.manual_seed(3)
-    keep, scale = keep_mask(y.shape, 0.2)  # the same draws
-    expected = x.detach() + y.detach().float() * keep * scale
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    torch.testing.assert_close(x.grad, grad)
-    torch.testing.assert_close(y.grad, (grad * keep * scale).to(dtype))
-    assert y.grad.dtype == dtype
-
-
-def test_residual_dropout_keeps_only_its_mask_for_backward():
-    saved = []
-    x, y = torch.randn(8, 16, requires_grad=True), torch.randn(8, 16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        residual_dropout(x, y, 0.1)
-    assert len(saved) == 1 and set(saved[0].unique().tolist()) <= {0.0, 1.0}
-
-
-def test_residual_dropout_is_a_plain_sum_in_eval_mode():
-    layer = Dropout(0.3).eval()
-    x, y = torch.randn(4, 4), torch.randn(4, 4)
-    torch.testing.assert_close(layer.residual(x, y), x + y)
 
 
 def _splitmix64(state: int, n: int) -> list[int]:

@@ -2,19 +2,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tformer_cli.model import gemm
+from tformer_cli.accel import accelerate, gemm
 from tformer_cli.config import ModelConfig
 from tformer_cli.errors import UsageError
 from tformer_cli.loss import linear_smoothed_cross_entropy
 from tformer_cli.model import build_model
 
-pytestmark = pytest.mark.skipif(not gemm.AVAILABLE, reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(gemm.LINEAR_POINTWISE is None, reason="torch built without oneDNN")
 
 
 @pytest.fixture
 def onednn(monkeypatch):
     """Products on oneDNN whatever this CPU's rule says, however small."""
-    monkeypatch.setattr(gemm, "use_onednn", lambda: True)
+    monkeypatch.setattr(gemm, "_enabled", True)
     monkeypatch.setattr(gemm, "MIN_PRODUCT", 0)
 
 
@@ -56,21 +56,17 @@ def test_linear_gradient_for_the_input_only_and_the_weight_only(onednn):
 
 
 def test_where_products_go(monkeypatch):
-    monkeypatch.setattr(gemm, "CHOICE", "auto")
+    monkeypatch.setattr(gemm.platform, "machine", lambda: "x86_64")
     for vendor, expected in (("AuthenticAMD", True), ("GenuineIntel", False), (None, False)):
-        gemm.use_onednn.cache_clear()
         monkeypatch.setattr(gemm, "_cpu_vendor", lambda: vendor)
-        monkeypatch.setattr(gemm.platform, "machine", lambda: "x86_64")
-        assert gemm.use_onednn() == (expected and torch.backends.mkl.is_available())
-    for choice, expected in (("torch", False), ("onednn", True)):
-        gemm.use_onednn.cache_clear()
-        monkeypatch.setattr(gemm, "CHOICE", choice)
-        assert gemm.use_onednn() is expected
-    gemm.use_onednn.cache_clear()
-    monkeypatch.setattr(gemm, "CHOICE", "mkl")
-    with pytest.raises(UsageError, match="TFORMER_GEMM=mkl: choose auto, onednn or torch"):
-        gemm.use_onednn()
-    gemm.use_onednn.cache_clear()
+        assert gemm.pays_here() == (expected and torch.backends.mkl.is_available())
+    monkeypatch.setattr(gemm, "pays_here", lambda: True)
+    model = build_model(ModelConfig(d_model=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1), 20)
+    for device, mode, expected in (("cpu", "auto", True), ("cpu", "off", False), ("meta", "auto", False)):
+        accelerate(model, device, mode)
+        assert gemm._enabled is expected
+    with pytest.raises(UsageError, match="--accel fast: use auto"):
+        accelerate(model, "cpu", "fast")
 
 
 def test_not_for_other_dtypes_under_autocast_or_while_compiling(onednn, monkeypatch):
@@ -98,6 +94,7 @@ def test_the_fused_loss_on_onednn_equals_cross_entropy_in_float64(onednn):
 
 
 def test_a_training_step_on_onednn_matches_torchs_products(monkeypatch):
+    """The whole model's loss and gradients with its products on oneDNN, against torch's own."""
     cfg = ModelConfig(d_model=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=64, dropout=0.0,
                       max_len=32)
     model = build_model(cfg, 60)
@@ -105,7 +102,7 @@ def test_a_training_step_on_onednn_matches_torchs_products(monkeypatch):
     monkeypatch.setattr(gemm, "MIN_PRODUCT", 0)
     results = []
     for choice in (True, False):
-        monkeypatch.setattr(gemm, "use_onednn", lambda choice=choice: choice)
+        monkeypatch.setattr(gemm, "_enabled", choice)
         model.zero_grad()
         hidden = model.decode(tgt, model.encode(src)).hidden
         loss, _ = linear_smoothed_cross_entropy(hidden.flatten(0, 1), model.output_proj.weight, tgt.flatten(), 0.1)

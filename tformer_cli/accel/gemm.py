@@ -1,53 +1,47 @@
 """fp32 matrix products on oneDNN, on CPUs where it beats torch's default BLAS.
 
 Torch multiplies fp32 matrices on a CPU with MKL, and MKL does not run its AVX-512 kernels on AMD
-CPUs: on a 2-core AMD EPYC (Zen 5) it multiplied 1,536 x 256 by 256 x 1,024 at 213 GFLOP/s, where
-oneDNN, which torch also ships, reached 476 from the same unpacked weight (on a Zen 4 EPYC MKL ran at
-184-192 and oneDNN at 215-227 with a packed weight; on an Intel Xeon with AMX, where MKL runs at peak,
-oneDNN's packed products were 4-9 % faster, a gain not measured further). So on x86 CPUs not made by
-Intel, ``linear`` runs on oneDNN, its gradients too (``_Linear``), as do the fused loss's vocabulary
+CPUs, where oneDNN, which torch also ships, is about twice as fast. So on x86 CPUs not made by Intel,
+``linear`` runs on oneDNN, its gradients too (``_Linear``), as do the fused loss's vocabulary
 products; on Intel CPUs, under autocast (whose bf16 products torch already sends to oneDNN), for
 small products and off the CPU it is ``F.linear``.
 
 oneDNN's entry point is torch's ``mkldnn._linear_pointwise`` (behind torch.compile's CPU linear
 layers): x @ w^T for a row-major x and a w of any strides, so a product with a transposed factor
-passes the transpose as a view. Only its first operand is copied when not row-major.
+passes the transpose as a view. Only its first operand is copied when not row-major. Measurements
+behind these choices: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import platform
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tformer_cli.errors import UsageError
+from tformer_cli.accel.ops import LINEAR_POINTWISE
 
-AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-# TFORMER_GEMM=onednn or =torch overrides the choice below (tests, and users comparing the two)
-CHOICE = os.environ.get("TFORMER_GEMM", "auto")
-# Below about a million multiply-adds MKL's smaller call overhead wins: 17.6 against 20.3 us for 384 x 32
-# by 32 x 64, 23.0 against 20.3 for 384 x 32 by 32 x 96 (Zen 5 EPYC); a d_model-32 model trained 12 %
-# slower on oneDNN, a d_model-128 one 44 % faster.
+# Below about a million multiply-adds MKL's smaller call overhead wins (benchmarks/README.md)
 MIN_PRODUCT = 2**20
+_enabled = False  # set by ``enable`` (``accelerate`` calls it): fp32 products go to oneDNN
 
 
 def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., k) @ weight (n, k)^T + bias on oneDNN."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return LINEAR_POINTWISE(x, weight, bias, "none", [], "")
 
 
-@functools.cache
-def use_onednn() -> bool:
-    """Whether fp32 products go to oneDNN: on x86 CPUs not made by Intel, where torch's BLAS is MKL.
-    A rule, not a timing, so that every process of a run (and a resumed run) multiplies alike."""
-    if CHOICE not in ("auto", "torch", "onednn"):
-        raise UsageError(f"TFORMER_GEMM={CHOICE}: choose auto, onednn or torch (or leave it unset)")
-    if not AVAILABLE or CHOICE != "auto":
-        return AVAILABLE and CHOICE == "onednn"
+def enable(on: bool) -> None:
+    """Send fp32 CPU products to oneDNN (where ``pays_here``), or back to torch's own."""
+    global _enabled
+    _enabled = bool(on) and LINEAR_POINTWISE is not None
+
+
+def pays_here() -> bool:
+    """Whether oneDNN's fp32 products beat torch's here: on x86 CPUs not made by Intel, where torch's
+    BLAS is MKL. A rule, not a timing, so that every process of a run (and a resumed run) multiplies
+    alike."""
     return torch.backends.mkl.is_available() and platform.machine() in ("x86_64", "AMD64") \
         and _cpu_vendor() not in (None, "GenuineIntel")
 
@@ -69,7 +63,7 @@ def onednn_applies(*tensors: Tensor) -> bool:
     ``torch.compile`` (whose inductor picks its own kernels and cannot lower this op), where
     ``use_onednn``."""
     return (all(t.is_cpu and t.dtype == torch.float32 for t in tensors) and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling() and use_onednn())
+            and not torch.compiler.is_compiling() and _enabled)
 
 
 class _Linear(torch.autograd.Function):

@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tformer_cli.model import linear
-from tformer_cli.model.linear import Linear
+from tformer_cli.accel import linear
+from tformer_cli.accel.linear import FastLinear as Linear
 
 needs_packing = pytest.mark.skipif(not linear.PACKING, reason="torch has no oneDNN weight packing here")
 needs_bf16_packing = pytest.mark.skipif(not linear.PACKING_BF16, reason="oneDNN has no bf16 products on this CPU")

@@ -1,4 +1,4 @@
-"""Dropout (§5.4, "Residual Dropout") with a cheaper mask on CPU.
+"""Dropout with a cheaper mask on CPU (the model's nn.Dropout modules are swapped for ``FastDropout``).
 
 torch's CPU dropout draws its mask with ``bernoulli_``, one call of its Mersenne Twister per element
 (``torch.rand`` is no cheaper), and keeps the mask for backward as float32. Here each 64-bit word
@@ -9,12 +9,7 @@ vectorised elementwise ops on all cores where the Mersenne Twister runs on one (
 for the 98,304 words of a d_model-256 batch of 1,536 tokens), its seed drawn from torch's generator,
 so ``torch.manual_seed`` and saved RNG states govern the masks. The mask of that batch takes 0.25 ms,
 against 1.54 ms for comparing ``torch.rand`` with p; ``F.dropout`` takes 2.2 ms. On GPUs torch's fused
-kernel is used.
-
-``dropout`` keeps a one-byte mask for backward. Around a sublayer the dropout feeds a residual sum,
-x + Dropout(y) (§5.4), which ``residual_dropout`` makes one ``addcmul`` with a mask of the activations'
-dtype (a one-byte mask is copied to float for every multiply): forward and backward on the batch above,
-0.52 against 0.68 ms besides the mask.
+kernel is used. ``dropout`` keeps a one-byte mask for backward.
 """
 
 from __future__ import annotations
@@ -38,32 +33,6 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     # The mask's bytes read as uint8: torch copies a uint8 or bool mask to float before multiplying, from
     # uint8 2x faster (68 against 146 us for 64 x 24 x 256; 48 with a float mask); autograd keeps one byte
     return (x * keep.view(torch.uint8)).mul_(scale)
-
-
-def residual_dropout(x: Tensor, y: Tensor, p: float, training: bool = True) -> Tensor:
-    """x + dropout(y, p), the residual connection around a sublayer; x and y have one shape."""
-    if not training or p == 0.0:
-        return x + y
-    if y.device.type != "cpu" or p == 1.0:
-        return x + F.dropout(y, p, training=True)
-    keep, scale = keep_mask(y.shape, p, y.device, dtype=torch.result_type(x, y))
-    return _AddKept.apply(x, y, keep, scale)
-
-
-class _AddKept(torch.autograd.Function):
-    """x + scale * keep * y in one pass; backward keeps only the mask."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, y: Tensor, keep: Tensor, scale: float) -> Tensor:
-        ctx.save_for_backward(keep)
-        ctx.scale = scale
-        return torch.addcmul(x, y, keep, value=scale)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
-        (keep,) = ctx.saved_tensors
-        grad_y = (grad * keep).mul_(ctx.scale) if ctx.needs_input_grad[1] else None
-        return grad, grad_y, None, None
 
 
 def keep_mask(shape: torch.Size, p: float, device: torch.device | str = "cpu",
@@ -114,12 +83,8 @@ def _signed(word: int) -> int:
     return word - 2**64 if word >= 2**63 else word
 
 
-class Dropout(nn.Dropout):
+class FastDropout(nn.Dropout):
     """``nn.Dropout`` computed by :func:`dropout`."""
 
     def forward(self, x: Tensor) -> Tensor:
         return dropout(x, self.p, self.training)
-
-    def residual(self, x: Tensor, y: Tensor) -> Tensor:
-        """x + Dropout(y)."""
-        return residual_dropout(x, y, self.p, self.training)

@@ -3,12 +3,11 @@
 A decoding step multiplies a few dozen rows (sentences x beams) by every weight matrix. ``F.linear``
 hands such products to MKL with the weight as stored, and with few rows they are bound by reading
 the weight, not by arithmetic. Packed once into oneDNN's blocked layout (what ``torch.compile``'s
-freezing pass does for inference), the same products ran 1.3-2x faster for 64 rows and 3-4x faster
-for 4-16 rows on a 2-core AVX-512 CPU, the vocabulary projection most; under bf16 autocast, which
-casts the weight at every call, 2-4x. Training, fp16, other devices, many rows and small weights
-keep ``F.linear`` (see the constants below). The packed copy lives on the module, outside the state
-dict, is rebuilt when the weight changes (an optimizer step, loading or averaging checkpoints) and is
-dropped by ``.train()``, so training does not hold it.
+freezing pass does for inference), the same products run several times faster (benchmarks/README.md).
+Training, fp16, other devices, many rows and small weights keep ``F.linear`` (see the constants
+below). The packed copy lives on the module, outside the state dict, is rebuilt when the weight
+changes (an optimizer step, loading or averaging checkpoints) and is dropped by ``.train()``, so
+training does not hold it.
 """
 
 from __future__ import annotations
@@ -17,18 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer_cli.model import gemm
+from tformer_cli.accel import gemm
+from tformer_cli.accel.ops import LINEAR_POINTWISE, REORDER_LINEAR_WEIGHT, native_on_cpu
 
-# torch's own (underscored) ops behind torch.compile's CPU weight packing; where absent, F.linear
-PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+PACKING = LINEAR_POINTWISE is not None and REORDER_LINEAR_WEIGHT is not None
 # oneDNN's bf16 products need AVX-512 (or AVX-NE-CONVERT); elsewhere torch's op raises instead
-PACKING_BF16 = PACKING and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+PACKING_BF16 = PACKING and native_on_cpu("bf16")
 # oneDNN builds a kernel for every new row count (~0.8 ms, then cached), so rows are padded (see
-# _padded_rows). Packing pays where reading the weight dominates: up to MAX_ROWS rows (beam search
-# over a batch of sentences; an encoder batch of thousands gained only ~10 %) and weights of
-# MIN_WEIGHT elements or more (below, oneDNN's ~12 us call overhead ate the gain). Under bf16 autocast
-# F.linear also casts the weight at every call, so packing pays from smaller weights: with the 256 x 256
-# projections packed too, a d_model-256 decoding step took 8 % less time on a 2-core AMX CPU.
+# _padded_rows). Packing pays where reading the weight dominates: up to MAX_ROWS rows (an encoder
+# batch of thousands gained little) and weights of MIN_WEIGHT elements or more (below, oneDNN's call
+# overhead ate the gain); under bf16 autocast, which casts the weight at every call, from smaller ones.
 ROW_MULTIPLE = 8
 MAX_ROWS = 1024
 MIN_WEIGHT = 2**17
@@ -38,15 +35,24 @@ MIN_WEIGHT_AUTOCAST = 2**16
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 
 
-class Linear(nn.Linear):
+class FastLinear(nn.Linear):
     """``nn.Linear``, optionally followed by an activation (``relu`` or ``gelu``); without autograd on
     a CPU, in fp32 or under bf16 autocast, computed from a oneDNN-packed weight where that pays, with
-    the activation applied by the same call."""
+    the activation applied by the same call. Made from a plain layer by ``of``, sharing its parameters."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str | None = None,
                  **kwargs) -> None:
         super().__init__(in_features, out_features, bias, **kwargs)
         self.activation = activation
+
+    @classmethod
+    def of(cls, plain: nn.Linear, activation: str | None = None) -> "FastLinear":
+        """A FastLinear holding ``plain``'s own weight and bias (so tied weights stay tied)."""
+        fast = cls.__new__(cls)
+        nn.Module.__init__(fast)
+        fast.in_features, fast.out_features, fast.activation = plain.in_features, plain.out_features, activation
+        fast.weight, fast.bias = plain.weight, plain.bias
+        return fast.train(plain.training)
 
     def forward(self, x: Tensor) -> Tensor:
         if not PACKING or torch.is_grad_enabled() or not x.is_cpu or self.weight.dtype != torch.float32:
@@ -61,10 +67,10 @@ class Linear(nn.Linear):
         attr = self.activation or "none"
         algorithm = "none" if self.activation == "gelu" else ""  # the erf form, as F.gelu
         if padded == n:  # the op flattens the leading dimensions itself
-            return torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, bias, attr, [], algorithm)
+            return LINEAR_POINTWISE(x.to(dtype), weight, bias, attr, [], algorithm)
         rows = x.reshape(n, self.in_features).to(dtype)
         rows = torch.cat([rows, rows.new_zeros(padded - n, self.in_features)])
-        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, attr, [], algorithm)[:n]
+        out = LINEAR_POINTWISE(rows, weight, bias, attr, [], algorithm)[:n]
         return out.view(*x.shape[:-1], self.out_features)
 
     def _unpacked(self, x: Tensor) -> Tensor:
@@ -73,7 +79,7 @@ class Linear(nn.Linear):
             return out.relu_()  # in place at inference (an encoder batch: +2 % greedy); training keeps relu
         return ACTIVATIONS[self.activation](out) if self.activation else out
 
-    def train(self, mode: bool = True) -> "Linear":
+    def train(self, mode: bool = True) -> "FastLinear":
         if mode:  # training will change the weight: drop the packed copy instead of holding it stale
             self.__dict__.pop("_packed", None)
         return super().train(mode)
@@ -87,7 +93,7 @@ class Linear(nn.Linear):
                 or cache[2].data_ptr() != weight.data_ptr():
             source = weight.detach()  # held, so no other tensor can take its address
             bias = None if self.bias is None else self.bias.detach().to(dtype)
-            cache = (version, dtype, source, torch.ops.mkldnn._reorder_linear_weight(source.to(dtype), rows), bias)
+            cache = (version, dtype, source, REORDER_LINEAR_WEIGHT(source.to(dtype), rows), bias)
             self._packed = cache
         return cache[3], cache[4]
 
@@ -107,8 +113,22 @@ def _packed_dtype(x: Tensor) -> torch.dtype | None:
 
 
 def _version(weight: Tensor) -> int | None:
-    """How often the weight was modified in place; None for inference tensors, which do not count."""
+    """How often the weight was modified in place (torch's private counter); None for inference
+    tensors, which do not count, and where this torch has no such counter (then it is packed anew)."""
     try:
         return weight._version
-    except RuntimeError:
+    except (RuntimeError, AttributeError):
         return None
+
+
+class FastFeedForward(nn.Module):
+    """The model's PositionwiseFeedForward with its activation applied by the first product's call."""
+
+    def __init__(self, ffn: nn.Module) -> None:
+        super().__init__()
+        activation = "relu" if isinstance(ffn.activation, nn.ReLU) else "gelu"
+        self.linear1 = FastLinear.of(ffn.linear1, activation)
+        self.linear2 = FastLinear.of(ffn.linear2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear2(self.linear1(x))  # (B, T, d_ff) -> (B, T, d_model)

@@ -1,0 +1,104 @@
+"""The speed layer: faster CPU kernels swapped into the plain model by one function, ``accelerate``.
+
+The model in ``tformer_cli.model`` is the paper and nothing else; what exists only for speed is here,
+tested equal to the plain path (tests/test_accel*.py), and turned off by ``train.accel: off`` or
+``--accel off``. On a CPU, ``accelerate`` swaps in:
+
+- ``FastLinear`` / ``FastFeedForward`` (linear.py): decoding multiplies by weights packed for oneDNN,
+  the FFN's activation fused into its first product;
+- fp32 products on oneDNN where torch's BLAS is slow (gemm.py: x86 CPUs not made by Intel), also
+  in the fused loss;
+- ``FastDropout`` (dropout.py): masks from SplitMix64 words instead of a Mersenne Twister per element;
+- ``CpuAttention`` (attention.py): each attention call to the fastest of torch's CPU kernels;
+- process settings (``tune_runtime``): glibc keeps freed buffers, oneDNN keeps more kernels.
+
+On a GPU torch's own kernels are already the fast ones, and nothing is swapped.
+What each piece buys, measured: benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from tformer_cli.accel import gemm
+from tformer_cli.accel.attention import CpuAttention
+from tformer_cli.accel.dropout import FastDropout
+from tformer_cli.accel.linear import FastFeedForward, FastLinear
+from tformer_cli.errors import UsageError
+from tformer_cli.model.attention import ScaledDotProductAttention
+from tformer_cli.model.layers import PositionwiseFeedForward
+
+MODES = ("auto", "off")
+ONEDNN_CACHE_CAPACITY = 16384
+
+
+def check_mode(mode: str, option: str = "--accel") -> None:
+    """A one-line UsageError for anything but auto or off (checked at start-up, before any work)."""
+    if mode not in MODES:
+        raise UsageError(f"{option} {mode}: use auto (the speed layer where it pays) or off (the plain model)")
+
+
+def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto") -> nn.Module:
+    """Swap the speed layer into ``model`` for ``device`` (in place; the model is returned). The
+    swapped modules hold the model's own parameters, so tied weights stay tied and the state dict keeps
+    its keys. ``mode`` "off" leaves the model plain (and torch's own products in the fused loss)."""
+    check_mode(mode)
+    on_cpu = torch.device(device).type == "cpu" and mode == "auto"
+    gemm.enable(on_cpu and gemm.pays_here())
+    if on_cpu:
+        tune_runtime()
+        _swap(model)
+    return model
+
+
+def _swap(module: nn.Module) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, PositionwiseFeedForward):
+            setattr(module, name, FastFeedForward(child).train(child.training))
+        elif type(child) is nn.Linear:
+            setattr(module, name, FastLinear.of(child))
+        elif type(child) is nn.Dropout:
+            setattr(module, name, FastDropout(child.p).train(child.training))
+        elif type(child) is ScaledDotProductAttention:
+            setattr(module, name, CpuAttention().train(child.training))
+        else:
+            _swap(child)
+
+
+def tune_runtime() -> None:
+    """The process-wide CPU settings that training and decoding want, applied before their first
+    step: the allocator keeps freed buffers, and oneDNN keeps a kernel for every shape it meets."""
+    tune_allocator()
+    widen_kernel_cache()
+
+
+def widen_kernel_cache() -> None:
+    """Let oneDNN keep 16,384 compiled matrix-product kernels instead of 1,024 (unless the user set
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY); it takes effect before the process's first oneDNN product. oneDNN
+    builds a kernel for every shape, and batches of varying lengths bring new shapes every step: with
+    the default the cache thrashes and training slows as the run goes on (benchmarks/README.md)."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+
+
+def tune_allocator() -> bool:
+    """Keep freed memory in the process instead of returning it to the OS (glibc only): training frees
+    and allocates the same large buffers every step, which glibc would otherwise serve with fresh
+    mmap()s that page-fault every step (benchmarks/README.md)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 * 2**20) == 1  # the largest glibc accepts
+        ok &= libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
+        ok &= libc.mallopt(m_top_pad, 256 * 2**20) == 1
+        return bool(ok)
+    except (OSError, AttributeError):
+        return False

@@ -1,0 +1,62 @@
+"""Every private torch API that tformer uses, looked up once, here.
+
+Each is an underscored op that torch.compile or torch's own modules use but does not promise to keep.
+Where this torch lacks one, it is None (or a plain fallback) and the speed-up that needs it is skipped,
+after one warning: the results stay the same, only slower.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+
+
+def _private(owner: Any, name: str, use: str) -> Callable | None:
+    op = getattr(owner, name, None)
+    if op is None:
+        warnings.warn(f"torch {torch.__version__} has no {name}: {use} runs on the plain path", stacklevel=2)
+    return op
+
+
+_MKLDNN = torch.ops.mkldnn if torch.backends.mkldnn.is_available() else None
+
+# oneDNN products with an unpacked or packed weight (torch.compile's CPU linear layers)
+LINEAR_POINTWISE = _private(_MKLDNN, "_linear_pointwise", "oneDNN's matrix products") if _MKLDNN else None
+REORDER_LINEAR_WEIGHT = _private(_MKLDNN, "_reorder_linear_weight", "packing weights for decoding") \
+    if _MKLDNN else None
+_BF16_SUPPORTED = getattr(_MKLDNN, "_is_mkldnn_bf16_supported", None) if _MKLDNN else None
+_FP16_SUPPORTED = getattr(_MKLDNN, "_is_mkldnn_fp16_supported", None) if _MKLDNN else None
+_AMX = getattr(torch.cpu, "_is_amx_tile_supported", None)
+_LOG_SOFTMAX_OUT = getattr(getattr(torch.ops.aten, "_log_softmax", None), "out", None)
+_FOREACH_LERP = getattr(torch, "_foreach_lerp_", None)
+
+
+def native_on_cpu(precision: str) -> bool:
+    """Whether oneDNN has native kernels for bf16 / fp16 here (AVX-512 BF16 or AMX, AVX-512 FP16);
+    False where this torch cannot tell."""
+    probe = _BF16_SUPPORTED if precision == "bf16" else _FP16_SUPPORTED
+    return bool(probe()) if probe is not None else False
+
+
+def amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's fused bf16 CPU attention is fast only with them)."""
+    return bool(_AMX()) if _AMX is not None else False
+
+
+def log_softmax_(x: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dimension, written over ``x`` where this torch can (its kernel reads
+    each row before writing it), else into a new tensor."""
+    if _LOG_SOFTMAX_OUT is None:
+        return torch.log_softmax(x, dim=-1)
+    return _LOG_SOFTMAX_OUT(x, -1, False, out=x)
+
+
+def foreach_lerp_(targets: list[torch.Tensor], ends: list[torch.Tensor], weight: float) -> None:
+    """targets[i] += weight * (ends[i] - targets[i]), in one kernel per dtype and device where torch has it."""
+    if _FOREACH_LERP is not None:
+        _FOREACH_LERP(targets, ends, weight)
+        return
+    for target, end in zip(targets, ends):
+        target.lerp_(end, weight)
