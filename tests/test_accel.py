@@ -1,0 +1,88 @@
+"""The accelerated model against the plain one: same outputs and gradients, in training and decoding."""
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_model_config
+from tformer_cli.accel import accelerate, gemm, linear
+from tformer_cli.accel.attention import CpuAttention
+from tformer_cli.accel.dropout import FastDropout
+from tformer_cli.accel.linear import FastFeedForward, FastLinear
+from tformer_cli.data import Batch
+from tformer_cli.decoding import DecodeOptions, decode_batch
+from tformer_cli.evaluation import label_smoothed_loss
+from tformer_cli.model import build_model
+
+VOCAB = 40
+# a seeded random sample of the architectures the config can describe
+ARCHITECTURES = random.Random(7).sample(list(itertools.product(
+    ["post", "pre"], ["relu", "gelu"], ["sinusoidal", "learned", "rope", "alibi"], [False, True])), 10)
+
+
+@pytest.fixture(autouse=True)
+def _every_piece_on(monkeypatch):
+    """oneDNN products and packed weights even on this CPU and for these tiny layers."""
+    monkeypatch.setattr(gemm, "pays_here", lambda: gemm.LINEAR_POINTWISE is not None)
+    monkeypatch.setattr(gemm, "MIN_PRODUCT", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(linear, "MIN_WEIGHT_AUTOCAST", 0)
+    yield
+    gemm.enable(False)
+
+
+def _pair(**overrides):
+    plain = build_model(tiny_model_config(dropout=0.0, **overrides), VOCAB)
+    fast = accelerate(copy.deepcopy(plain), "cpu")
+    return plain, fast
+
+
+def _batch():
+    src, tgt = torch.randint(4, VOCAB, (3, 9)), torch.randint(4, VOCAB, (3, 8))
+    src[1, 6:] = 0
+    tgt[2, 5:] = 0
+    return Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
+
+
+@pytest.mark.parametrize("norm,activation,positional,bias", ARCHITECTURES)
+def test_the_accelerated_model_trains_and_decodes_like_the_plain_one(norm, activation, positional, bias):
+    plain, fast = _pair(norm=norm, activation=activation, positional=positional, attention_bias=bias)
+    batch = _batch()
+    grads = []
+    for model in (plain, fast):
+        loss, _ = label_smoothed_loss(model.train(), batch, 0.1)
+        loss.backward()
+        grads.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
+    for name, grad in grads[0][1].items():
+        torch.testing.assert_close(grads[1][1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    for beam in (1, 3):  # cached decoding: greedy, and beam search
+        options = DecodeOptions(beam_size=beam, max_len_a=0, max_len_b=6)
+        with torch.no_grad():
+            outputs = [decode_batch(model.eval(), batch.src, options) for model in (plain, fast)]
+        for ours, theirs in zip(*outputs):
+            assert [h.tokens for h in ours] == [h.tokens for h in theirs]
+            torch.testing.assert_close(torch.tensor([h.score for h in ours]), torch.tensor([h.score for h in theirs]),
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_accelerate_swaps_modules_keeping_parameters_ties_and_checkpoint_keys():
+    plain, fast = _pair(share_embeddings="all")
+    kinds = {type(m) for m in fast.modules()}
+    assert {FastLinear, FastFeedForward, CpuAttention} <= kinds and nn.Linear not in kinds
+    assert fast.state_dict().keys() == plain.state_dict().keys()
+    assert fast.output_proj.weight is fast.decoder.embed.embedding.weight  # still one matrix (§3.4)
+    dropped = accelerate(build_model(tiny_model_config(dropout=0.1), VOCAB), "cpu")
+    assert any(isinstance(m, FastDropout) for m in dropped.modules())
+
+
+def test_off_and_other_devices_leave_the_plain_model():
+    for device, mode in (("cpu", "off"), ("meta", "auto")):
+        model = build_model(tiny_model_config(), VOCAB)
+        kinds = {type(m) for m in accelerate(model, device, mode).modules()}
+        assert not kinds & {FastLinear, FastFeedForward, CpuAttention, FastDropout}
+        assert not gemm._enabled
