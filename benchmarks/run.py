@@ -144,7 +144,8 @@ def run_speed_fresh(workload: str, size: str, args: argparse.Namespace, peers: l
     training at "base", greedy decoding at "small" ran 8-15 % slower for every system), so a figure does
     not depend on which workloads ran before it."""
     command = [sys.executable, __file__, "--probe-speed", workload, size, "--peak", repr(peak),
-               "--device", args.device, "--precision", PRECISION, "--accel", systems.ACCEL, "--peers", ",".join(peers),
+               "--device", args.device, "--precision", PRECISION, "--accel", systems.ACCEL, "--accel-skip", ",".join(systems.ACCEL_SKIP),
+               "--peers", ",".join(peers),
                "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--train-batch", str(args.train_batch)]
     out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -200,7 +201,7 @@ def run_memory(size: str, device, peers, repeats: int = 3) -> list[dict]:
         peaks = []
         for _ in range(repeats):
             out = subprocess.run([sys.executable, __file__, "--probe-memory", key, size, device.type, PRECISION,
-                                  "--accel", systems.ACCEL],
+                                  "--accel", systems.ACCEL, "--accel-skip", ",".join(systems.ACCEL_SKIP)],
                                  capture_output=True, text=True, check=True)
             probe = json.loads(out.stdout.strip().splitlines()[-1])
             peaks.append(probe["peak_mib"])
@@ -300,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="autocast for every system (default: fp32 on CPU, bf16 on CUDA)")
     parser.add_argument("--accel", default="auto", choices=["auto", "off"],
                         help="tformer's speed layer (tformer_cli/accel): auto, or off for the plain model")
+    parser.add_argument("--accel-skip", default="",
+                        help="pieces of the speed layer to leave out, e.g. dropout,attention (see accel.PIECES)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--probe-memory", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--probe-speed", nargs=2, help=argparse.SUPPRESS)
@@ -316,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     global PRECISION
     PRECISION = args.precision or ("bf16" if on_cuda else "fp32")
     systems.ACCEL = args.accel
+    systems.ACCEL_SKIP = tuple(piece for piece in args.accel_skip.split(",") if piece)
     if args.probe_memory:
         print(json.dumps(probe_memory(*args.probe_memory)))
         return
@@ -347,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     print_table(records, f"{device.type} ({os.cpu_count()} cores)" if device.type == "cpu"
                 else torch.cuda.get_device_name(), peak)
     if args.json:
-        meta = {"device": args.device, "precision": PRECISION, "accel": args.accel, "matmul_peak_flops": peak,
+        meta = {"device": args.device, "precision": PRECISION, "accel": args.accel,
+                "accel_skip": list(systems.ACCEL_SKIP), "matmul_peak_flops": peak,
                 "torch": torch.__version__}
         args.json.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
 

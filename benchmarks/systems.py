@@ -19,6 +19,7 @@ from torch import nn
 PAD, BOS, EOS = 0, 1, 2
 SMOOTHING = 0.1
 ACCEL = "auto"  # tformer's speed layer: auto or off (benchmarks/run.py --accel)
+ACCEL_SKIP: tuple[str, ...] = ()  # pieces of it left out (benchmarks/run.py --accel-skip)
 
 # nn.Transformer's inference fast path makes nested tensors of masked sources and warns at every call
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors", category=UserWarning)
@@ -103,7 +104,7 @@ class Tformer(System):
         self.name = "tformer"
         cfg = ModelConfig(d_model=size.d_model, num_heads=size.heads, num_encoder_layers=size.layers,
                           num_decoder_layers=size.layers, d_ff=size.d_ff, dropout=0.1, max_len=256)
-        self.model = accelerate(build_model(cfg, size.vocab).to(device), device, ACCEL)
+        self.model = accelerate(build_model(cfg, size.vocab).to(device), device, ACCEL, ACCEL_SKIP)
         self.optimizer = _adam(self.model.parameters(), fused)
 
     def train_step(self, batch: TrainBatch) -> None:

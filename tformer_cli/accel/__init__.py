@@ -32,6 +32,7 @@ from tformer_cli.model.attention import ScaledDotProductAttention
 from tformer_cli.model.layers import PositionwiseFeedForward
 
 MODES = ("auto", "off")
+PIECES = ("linear", "gemm", "dropout", "attention", "runtime")  # what ``skip`` may leave out, to measure each
 ONEDNN_CACHE_CAPACITY = 16384
 
 
@@ -41,31 +42,37 @@ def check_mode(mode: str, option: str = "--accel") -> None:
         raise UsageError(f"{option} {mode}: use auto (the speed layer where it pays) or off (the plain model)")
 
 
-def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto") -> nn.Module:
+def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
+               skip: tuple[str, ...] = ()) -> nn.Module:
     """Swap the speed layer into ``model`` for ``device`` (in place; the model is returned). The
     swapped modules hold the model's own parameters, so tied weights stay tied and the state dict keeps
-    its keys. ``mode`` "off" leaves the model plain (and torch's own products in the fused loss)."""
+    its keys. ``mode`` "off" leaves the model plain (and torch's own products in the fused loss);
+    ``skip`` leaves out some of ``PIECES`` (the benchmark measures what each buys)."""
     check_mode(mode)
+    unknown = set(skip) - set(PIECES)
+    if unknown:
+        raise UsageError(f"accel pieces {', '.join(sorted(unknown))}: choose from {', '.join(PIECES)}")
     on_cpu = torch.device(device).type == "cpu" and mode == "auto"
-    gemm.enable(on_cpu and gemm.pays_here())
+    gemm.enable(on_cpu and "gemm" not in skip and gemm.pays_here())
     if on_cpu:
-        tune_runtime()
-        _swap(model)
+        if "runtime" not in skip:
+            tune_runtime()
+        _swap(model, set(skip))
     return model
 
 
-def _swap(module: nn.Module) -> None:
+def _swap(module: nn.Module, skip: set[str]) -> None:
     for name, child in module.named_children():
-        if isinstance(child, PositionwiseFeedForward):
+        if isinstance(child, PositionwiseFeedForward) and "linear" not in skip:
             setattr(module, name, FastFeedForward(child).train(child.training))
-        elif type(child) is nn.Linear:
+        elif type(child) is nn.Linear and "linear" not in skip:
             setattr(module, name, FastLinear.of(child))
-        elif type(child) is nn.Dropout:
+        elif type(child) is nn.Dropout and "dropout" not in skip:
             setattr(module, name, FastDropout(child.p).train(child.training))
-        elif type(child) is ScaledDotProductAttention:
+        elif type(child) is ScaledDotProductAttention and "attention" not in skip:
             setattr(module, name, CpuAttention().train(child.training))
         else:
-            _swap(child)
+            _swap(child, skip)
 
 
 def tune_runtime() -> None:
