@@ -37,7 +37,6 @@ def foreign_files(run_dir: Path) -> list[Path]:
     interrupted writes count as its own), in sorted order."""
     foreign = []
     for path in sorted(run_dir.iterdir()):
-        name = _final_name(path.name)
         if path.name == "checkpoints" and path.is_dir() and not path.is_symlink():
             foreign += _foreign_checkpoints(path)
         elif not _is_own_file(path, _TOP):

@@ -18,7 +18,6 @@ interrupted write never replaces a good file with a broken one.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from contextlib import nullcontext
