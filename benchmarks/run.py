@@ -160,6 +160,15 @@ def _status_mib(field: str) -> float:
     return 0.0
 
 
+def _process_settings() -> None:
+    """tformer's process-wide settings (allocator, oneDNN's kernel cache) hold for every system in the
+    process, peers too, unless tformer's speed layer is off or its "runtime" piece left out."""
+    from tformer_cli.accel import tune_runtime
+
+    if systems.ACCEL == "auto" and "runtime" not in systems.ACCEL_SKIP:
+        tune_runtime()
+
+
 def _reset_peak_rss() -> None:
     """Start VmHWM afresh (Linux >= 4.0). getrusage's ru_maxrss cannot be used: it carries the parent's
     peak across fork and exec."""
@@ -175,6 +184,7 @@ def probe_memory(system_key: str, size: str, device_name: str, precision: str) -
     global PRECISION
     PRECISION = precision
     device = torch.device(device_name)
+    _process_settings()
     cls = Tformer if system_key == "tformer" else PEERS[system_key]
     importlib.import_module(LIBRARIES[system_key])  # library code is loaded before the baseline
     batch = make_batch(SIZES[size], 64, 24, device)
@@ -323,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.probe_memory:
         print(json.dumps(probe_memory(*args.probe_memory)))
         return
+    _process_settings()
     torch.manual_seed(0)
     device = torch.device(args.device)
     peers = [p for p in args.peers.split(",") if p in available_peers()]
