@@ -127,7 +127,7 @@ def test_a_start_stopped_during_setup_is_accepted_by_the_command_it_suggests(tmp
     monkeypatch.setattr(training, "build_model", stop)
     result = _train(config, "--output-dir", run)
     assert result.exit_code == 143
-    assert result.stderr.strip() == ("stopped by SIGTERM during setup, before the first step; start it again "
+    assert result.stderr.strip() == ("stopped by SIGTERM before the first checkpoint; start it again "
                                      f"with: tformer train --resume {run}")
     monkeypatch.undo()
     evaluated = runner.invoke(app, ["eval", str(run)])

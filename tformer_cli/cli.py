@@ -120,13 +120,16 @@ def train(
     from tformer_cli.runs import prepare_run
     from tformer_cli.train import train as run_training
 
-    cfg, run_dir = prepare_run(config, resume, list(overrides or []), output_dir, overwrite,
-                               main=parallel.launched_rank() == 0, device=device)
+    try:
+        cfg, run_dir = prepare_run(config, resume, list(overrides or []), output_dir, overwrite,
+                                   main=parallel.launched_rank() == 0, device=device)
+    except KeyboardInterrupt as exc:
+        _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), None, None, parallel.launched_rank() == 0)
     workers = parallel.join(resolve_device(cfg.train.device))  # under torchrun: one of several processes
     progress = TrainProgress(quiet or json_output)
     try:
         result = run_training(cfg, run_dir, resume=resume is not None, callback=progress, workers=workers)
-    except KeyboardInterrupt as exc:  # during setup, before the first step
+    except KeyboardInterrupt as exc:  # during setup, or a second signal while the first one's checkpoint is written
         progress.close()
         _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), run_dir, None, workers.main)
     finally:
@@ -139,23 +142,28 @@ def train(
         _stopped_by_signal(result.signal, run_dir, result.state.step, workers.main)
 
 
-def _stopped_by_signal(signum: int, run_dir: Path, step: int | None, main: bool) -> None:
+def _stopped_by_signal(signum: int, run_dir: Path | None, step: int | None, main: bool) -> None:
     """One line on stderr (also under --quiet): where training stopped and the command that resumes it;
-    exit status 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as shells report it."""
+    exit status 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as shells report it.
+    ``step``: the step checkpointed on the way out, or None if training stopped at once."""
     import shlex
     import sys
 
     from tformer_cli.render import err_console
+    from tformer_cli.runtime import step_checkpoints
 
     if main:
         name = signal.Signals(signum).name
-        if step is None:  # nothing trained: a resume starts the run afresh, or the same command again
-            again = f"tformer train --resume {run_dir}" if (run_dir / "config.yaml").is_file() \
-                else shlex.join(["tformer", *sys.argv[1:]])
-            line = f"stopped by {name} during setup, before the first step; start it again with: {again}"
-        else:
+        last = step_checkpoints(run_dir) if run_dir is not None else []
+        if step is not None:
             line = (f"stopped by {name} after step {step}; checkpoint {run_dir / 'checkpoints' / f'step-{step:08d}'}; "
                     f"resume with: tformer train --resume {run_dir}")
+        elif last:
+            line = f"stopped by {name}; the last checkpoint is {last[-1]}; resume with: tformer train --resume {run_dir}"
+        else:  # nothing to resume: --resume starts the run afresh, or the same command again
+            again = f"tformer train --resume {run_dir}" if run_dir and (run_dir / "config.yaml").is_file() \
+                else shlex.join(["tformer", *sys.argv[1:]])
+            line = f"stopped by {name} before the first checkpoint; start it again with: {again}"
         err_console.print(line, markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(128 + signum)
 
