@@ -109,7 +109,7 @@ def test_a_signal_exits_128_plus_its_number_with_one_line_to_resume(tmp_path, mo
     result = _train(config, "--output-dir", run)
     assert result.exit_code == 128 + signum
     name = signal.Signals(signum).name
-    assert result.stderr.strip() == (f"stopped by {name} after step 3; checkpoint {run}/checkpoints/step-00000003; "
+    assert result.stderr.strip() == (f"stopped by {name}; checkpoint {run}/checkpoints/step-00000003; "
                                      f"resume with: tformer train --resume {run}")
     monkeypatch.undo()
     assert _train("--resume", run).exit_code == 0

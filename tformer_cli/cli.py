@@ -124,14 +124,14 @@ def train(
         cfg, run_dir = prepare_run(config, resume, list(overrides or []), output_dir, overwrite,
                                    main=parallel.launched_rank() == 0, device=device)
     except KeyboardInterrupt as exc:
-        _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), None, None, parallel.launched_rank() == 0)
+        _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), None, parallel.launched_rank() == 0)
     workers = parallel.join(resolve_device(cfg.train.device))  # under torchrun: one of several processes
     progress = TrainProgress(quiet or json_output)
     try:
         result = run_training(cfg, run_dir, resume=resume is not None, callback=progress, workers=workers)
     except KeyboardInterrupt as exc:  # during setup, or a second signal while the first one's checkpoint is written
         progress.close()
-        _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), run_dir, None, workers.main)
+        _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), run_dir, workers.main)
     finally:
         progress.close()
         parallel.leave()
@@ -139,32 +139,17 @@ def train(
         print_json({"run_dir": str(run_dir), "stop_reason": result.stop_reason, "step": result.state.step,
                     "elapsed": result.state.elapsed, "last_eval": result.last_eval})
     if result.signal is not None:
-        _stopped_by_signal(result.signal, run_dir, result.state.step, workers.main)
+        _stopped_by_signal(result.signal, run_dir, workers.main)
 
 
-def _stopped_by_signal(signum: int, run_dir: Path | None, step: int | None, main: bool) -> None:
-    """One line on stderr (also under --quiet): where training stopped and the command that resumes it;
-    exit status 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as shells report it.
-    ``step``: the step checkpointed on the way out, or None if training stopped at once."""
-    import shlex
-    import sys
-
+def _stopped_by_signal(signum: int, run_dir: Path | None, main: bool) -> None:
+    """One line on stderr, also under --quiet (where the checkpoint is, the command that resumes), and
+    exit status 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as shells report it."""
     from tformer_cli.render import err_console
-    from tformer_cli.runtime import step_checkpoints
+    from tformer_cli.runs import stop_message
 
     if main:
-        name = signal.Signals(signum).name
-        last = step_checkpoints(run_dir) if run_dir is not None else []
-        if step is not None:
-            line = (f"stopped by {name} after step {step}; checkpoint {run_dir / 'checkpoints' / f'step-{step:08d}'}; "
-                    f"resume with: tformer train --resume {run_dir}")
-        elif last:
-            line = f"stopped by {name}; the last checkpoint is {last[-1]}; resume with: tformer train --resume {run_dir}"
-        else:  # nothing to resume: --resume starts the run afresh, or the same command again
-            again = f"tformer train --resume {run_dir}" if run_dir and (run_dir / "config.yaml").is_file() \
-                else shlex.join(["tformer", *sys.argv[1:]])
-            line = f"stopped by {name} before the first checkpoint; start it again with: {again}"
-        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+        err_console.print(stop_message(signum, run_dir), markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(128 + signum)
 
 

@@ -7,7 +7,10 @@ model's shape and its vocabulary.
 
 from __future__ import annotations
 
+import shlex
 import shutil
+import signal
+import sys
 from pathlib import Path
 
 from tformer_cli.config import Config, load_config
@@ -83,3 +86,15 @@ def _refuse_fixed_changes(saved: Config, config: Config) -> None:
         if before != after:
             raise UsageError(f"--set {section}.{key}={after}: a resumed run keeps its {section}.{key} ({before}); "
                              "start a new run (tformer train CONFIG) to change it")
+
+
+def stop_message(signum: int, run_dir: Path | None) -> str:
+    """What to tell a user whose training a signal stopped: the last checkpoint and the command that
+    resumes from it, or, before the first checkpoint, the command that starts the run again."""
+    name = signal.Signals(signum).name
+    last = step_checkpoints(run_dir) if run_dir is not None else []
+    if last:
+        return f"stopped by {name}; checkpoint {last[-1]}; resume with: tformer train --resume {run_dir}"
+    again = f"tformer train --resume {run_dir}" if run_dir is not None and (run_dir / "config.yaml").is_file() \
+        else shlex.join(["tformer", *sys.argv[1:]])  # a resume of a run with no checkpoint starts it afresh
+    return f"stopped by {name} before the first checkpoint; start it again with: {again}"
