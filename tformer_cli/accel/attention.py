@@ -15,15 +15,13 @@ and gives the same results (tests/test_accel.py). Its choices, each measured (be
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from tformer_cli.accel.dropout import dropout
 from tformer_cli.accel.ops import amx
-from tformer_cli.model.attention import ScaledDotProductAttention, and_masks, causal_for
+from tformer_cli.model.attention import ScaledDotProductAttention, and_masks, attention_weights, causal_for
 
 BF16_ATTENTION = amx()  # torch's fused CPU kernel is fast in bf16 only with AMX tiles
 
@@ -44,14 +42,8 @@ class CpuAttention(ScaledDotProductAttention):
                                                          is_causal=is_causal)
                 return out.to(q.dtype), None
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal), None
-        k, v = k.to(q.dtype), v.to(q.dtype)  # the cache may keep fp32 (cache_dtype)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T_q, T_k)
-        if is_causal:
-            mask = causal_for(q, k)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        weights = scores.softmax(dim=-1)
-        out = dropout(weights, dropout_p) @ v  # (B, H, T_q, d_k)
+        weights = attention_weights(q, k.to(q.dtype), mask, is_causal)  # the cache may keep fp32 (cache_dtype)
+        out = dropout(weights, dropout_p) @ v.to(q.dtype)  # (B, H, T_q, d_k)
         return out, weights if need_weights else None
 
     def cache_dtype(self, like: Tensor) -> torch.dtype:

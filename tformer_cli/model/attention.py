@@ -50,14 +50,19 @@ def scaled_dot_product_attention(
         is_causal = False
     if not need_weights:  # torch's fused kernels (flash / memory-efficient on CUDA)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal), None
+    weights = attention_weights(q, k, mask, is_causal)
+    out = F.dropout(weights, dropout_p) @ v  # (B, H, T_q, d_k)
+    return out, weights
+
+
+def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool = False) -> Tensor:
+    """softmax(Q K^T / sqrt(d_k)) with the mask applied (the explicit path): (B, H, T_q, T_k)."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T_q, T_k)
     if is_causal:
         mask = causal_for(q, k)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    weights = scores.softmax(dim=-1)
-    out = F.dropout(weights, dropout_p) @ v  # (B, H, T_q, d_k)
-    return out, weights
+    return scores.softmax(dim=-1)
 
 
 class ScaledDotProductAttention(nn.Module):
