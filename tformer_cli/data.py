@@ -344,7 +344,7 @@ def write_encoded(split: EncodedSplit, path: Path) -> None:
                "text_offsets": lengths.cumsum(0)}
     metadata = {"format": str(CACHE_FORMAT), "sha256": _checksum(tensors),
                 **{name: str(getattr(split, name)) for name in _ENCODED_COUNTS}}
-    with replacing(path) as tmp:
+    with replacing(path, shared=True) as tmp:
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
 
 

@@ -17,21 +17,23 @@ from typing import Any
 from tformer_cli.errors import CheckpointError, first_line
 
 
-def temporary_name(path: Path) -> Path:
-    """Where ``path`` is written before it is renamed into place: ``.NAME.tmp`` beside it."""
-    return path.with_name(f".{path.name}.tmp")
+def temporary_name(path: Path, shared: bool = False) -> Path:
+    """Where ``path`` is written before it is renamed into place: ``.NAME.tmp`` beside it, or, for a
+    file that other processes may be writing at the same time (``shared``), ``.NAME.PID.tmp``."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp" if shared else f".{path.name}.tmp")
 
 
 @contextmanager
-def replacing(path: Path) -> Iterator[Path]:
+def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
     """Yield a temporary path (file or folder) to write; on success it replaces ``path`` durably.
+    ``shared``: other processes may write ``path`` too (a cache entry): each writes its own temporary.
 
     Raises:
         CheckpointError: the write failed (a full disk, say); ``path`` is as it was and the
             temporary file is removed.
     """
     path = Path(path)
-    tmp = temporary_name(path)
+    tmp = temporary_name(path, shared)
     _remove(tmp)
     try:
         yield tmp
