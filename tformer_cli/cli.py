@@ -114,17 +114,17 @@ def train(
       tformer train --resume runs/demo --set train.max_steps=4000
       torchrun --standalone --nproc-per-node 4 -m tformer_cli train configs/base.yaml   [dim](4 GPUs)[/]
     """
-    from tformer_cli import parallel
-    from tformer_cli.render import TrainProgress, print_json
-    from tformer_cli.runtime import resolve_device
-    from tformer_cli.runs import prepare_run
-    from tformer_cli.train import train as run_training
+    try:  # a signal here (torch loads for seconds) is answered like one during training
+        from tformer_cli import parallel
+        from tformer_cli.render import TrainProgress, print_json
+        from tformer_cli.runtime import resolve_device
+        from tformer_cli.runs import prepare_run
+        from tformer_cli.train import train as run_training
 
-    try:
         cfg, run_dir = prepare_run(config, resume, list(overrides or []), output_dir, overwrite,
-                                   main=parallel.launched_rank() == 0, device=device)
+                                   main=_launched_rank() == 0, device=device)
     except KeyboardInterrupt as exc:
-        _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), None, parallel.launched_rank() == 0)
+        _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), None, _launched_rank() == 0)
     workers = parallel.join(resolve_device(cfg.train.device))  # under torchrun: one of several processes
     progress = TrainProgress(quiet or json_output)
     try:
@@ -142,13 +142,20 @@ def train(
         _stopped_by_signal(result.signal, run_dir, workers.main)
 
 
+def _launched_rank() -> int:
+    """This process's rank as torchrun set it (0 when not launched by it), without importing torch."""
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
 def _stopped_by_signal(signum: int, run_dir: Path | None, main: bool) -> None:
     """One line on stderr, also under --quiet (where the checkpoint is, the command that resumes), and
     exit status 128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as shells report it."""
-    from tformer_cli.render import err_console
-    from tformer_cli.runs import stop_message
-
     if main:
+        from tformer_cli.render import err_console
+        from tformer_cli.runs import stop_message
+
         err_console.print(stop_message(signum, run_dir), markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(128 + signum)
 

@@ -155,11 +155,6 @@ class GradientSync:
             self.started += 1
 
 
-def launched_rank() -> int:
-    """This process's rank as ``torchrun`` set it (0 when not launched by it), before joining."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def join(device: torch.device) -> Workers:
     """Join the process group ``torchrun`` describes in the environment (WORLD_SIZE > 1): NCCL for the
     gradients on CUDA, one GPU per process (LOCAL_RANK), and gloo for the CPU's small messages."""
