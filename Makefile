@@ -40,8 +40,8 @@ M30K_LAST := $(if $(filter en-de,$(DIRECTION)),10,5)
 multi30k: $(STAMP) ## Train one Multi30k direction (about an hour on 2 cores), average, evaluate, plot
 	$(BIN)/tformer train $(M30K_CONFIG) --set data.dataset=$(MULTI30K) --output-dir $(M30K_RUN) --overwrite
 	$(BIN)/tformer average $(M30K_RUN) --last $(M30K_LAST)
-	$(BIN)/tformer eval $(M30K_RUN) --beam 1
-	$(BIN)/tformer eval $(M30K_RUN)/checkpoints/average-last-$(M30K_LAST) --beam 5
+	$(BIN)/tformer eval $(M30K_RUN) --beam-size 1
+	$(BIN)/tformer eval $(M30K_RUN)/checkpoints/average-last-$(M30K_LAST) --beam-size 5
 	$(BIN)/tformer plot $(M30K_RUN)
 
 BENCH_ARGS ?=

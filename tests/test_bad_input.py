@@ -202,8 +202,8 @@ def _run_file_cases() -> list[Case]:
                         ["train", "--resume", "{run}", "--quiet"]],
         "tokenizer.json": [["generate", "{run}", "seven"], ["inspect-attention", "{run}", "seven"]],
         "model.safetensors": [["generate", "{run}", "seven"], ["eval", "{run}", "--max-samples", "2"]],
-        "checkpoints/step-00000030/trainer.pt": [["train", "--resume", "{run}", "--quiet"]],
-        "checkpoints/step-00000030/model.safetensors": [["train", "--resume", "{run}", "--quiet"],
+        "checkpoints/LAST/trainer.pt": [["train", "--resume", "{run}", "--quiet"]],
+        "checkpoints/LAST/model.safetensors": [["train", "--resume", "{run}", "--quiet"],
                                                         ["average", "{run}", "--last", "2"]],
         "metrics.jsonl": [["plot", "{run}", "--output", "{tmp}/c.png"], ["average", "{run}", "--best", "1"]],
     }
@@ -221,13 +221,13 @@ def _run_file_cases() -> list[Case]:
         "model.safetensors": [("empty", "", "unreadable weights"), ("binary", BINARY, "unreadable weights"),
                               ("truncated", "TRUNCATE", "unreadable weights"),
                               ("wrong-shape", "SMALL", "weights do not fit the model")],
-        "checkpoints/step-00000030/trainer.pt": [("empty", "", "unreadable trainer state"),
+        "checkpoints/LAST/trainer.pt": [("empty", "", "unreadable trainer state"),
                                                  ("binary", BINARY, "unreadable trainer state"),
                                                  ("truncated", "TRUNCATE", "unreadable trainer state"),
                                                  ("pickle", "PICKLE", "unreadable trainer state"),
                                                  ("wrong-structure", "TENSOR", "unreadable trainer state"),
                                                  ("wrong-contents", "STATE", "trainer state does not fit this run")],
-        "checkpoints/step-00000030/model.safetensors": [("empty", "", "unreadable weights"),
+        "checkpoints/LAST/model.safetensors": [("empty", "", "unreadable weights"),
                                                         ("binary", BINARY, "unreadable weights"),
                                                         ("wrong-shape", "SMALL", "weights do not fit|differ in names or shapes")],
         "metrics.jsonl": [("binary", BINARY, "not UTF-8 text"), ("non-utf8", b'{"a": "\xff"}\n', "not UTF-8 text"),
@@ -245,11 +245,11 @@ def _run_file_cases() -> list[Case]:
 def _argument_cases() -> list[Case]:
     gen, ins = ["generate", "{run}"], ["inspect-attention", "{run}"]
     flags = [
-        (gen + ["seven", "--beam", "0"], "--beam 0: must be >= 1"), (gen + ["seven", "--nbest", "0"], "--nbest 0"),
+        (gen + ["seven", "--beam", "0"], "--beam-size 0: must be >= 1"), (gen + ["seven", "--nbest", "0"], "--nbest 0"),
         (gen + ["seven", "--batch-size", "0"], "--batch-size 0"), (gen + ["seven", "--max-len", "0"], "--max-len 0"),
         (gen + ["seven", "--top-p", "1.5"], "--top-p 1.5"), (gen + ["seven", "--top-k", "-1"], "--top-k -1"),
         (gen + ["seven", "--temperature", "-1"], "--temperature -1"),
-        (gen + ["seven", "--sample", "--beam", "3"], "drop --beam"),
+        (gen + ["seven", "--sample", "--beam", "3"], "drop --beam-size"),
         (gen + ["seven", "--device", "gpu"], "--device gpu: expected auto, cpu or cuda"),
         (gen + ["seven", "--precision", "int4"], "use fp32, bf16 or fp16"),
         (gen + [b"seven \xff".decode("utf-8", "surrogateescape")], "TEXTS: not UTF-8 text"),
@@ -260,11 +260,11 @@ def _argument_cases() -> list[Case]:
         (ins + ["seven", "--layer", "9"], "--layer 9"), (ins + ["seven", "--head", "0"], "--head 0"),
         (ins + ["seven", "--kind", "sideways"], "--kind sideways"), (ins + ["", "--layer", "1"], "source text is empty"),
         (ins + ["seven", "--save", "{tmp}/a.jpeg"], "use a .png, .svg or .pdf"),
-        (["eval", "{run}", "--beam", "-1"], "--beam -1"), (["eval", "{run}", "--max-samples", "0"], "--max-samples 0"),
+        (["eval", "{run}", "--beam-size", "-1"], "--beam-size -1"), (["eval", "{run}", "--max-samples", "0"], "--max-samples 0"),
         (["eval", "{run}", "--length-penalty", "-1"], "--length-penalty -1"),
         (["eval", "{run}", "--output", "{run}/model.safetensors/x.txt"], "model.safetensors: File exists"),
         (["average", "{run}", "--last", "0"], "--last 0: must be >= 1"),
-        (["average", "{run}", "--last", "9"], "keeps only 2 step checkpoints"),
+        (["average", "{run}", "--last", "9"], "step checkpoints; ask for at most"),
         (["average", "{run}"], "give exactly one of --last N or --best N"),
         (["average", "{run}", "--best", "1", "--metric", "rouge"], "--metric rouge"),
         (["plot", "{run}", "--output", "{tmp}/c.jpeg"], "use a .png, .svg or .pdf"),
@@ -302,8 +302,9 @@ def test_bad_input_is_one_line_a_nonzero_exit_and_nothing_changed(case, tmp_path
     run = tmp_path / "run"
     if needs_run:
         shutil.copytree(trained_run, run)
+        last = sorted((run / "checkpoints").glob("step-*"))[-1].name  # other tests may have resumed the run
         for path, content in case.run_files.items():
-            _damage(run / path, content)
+            _damage(run / path.replace("LAST", last), content)
     fill = {"{tmp}": str(tmp_path), "{run}": str(run)}
     for name, content in case.files.items():
         for key, value in fill.items():

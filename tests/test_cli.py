@@ -106,7 +106,7 @@ def test_generate_translates_each_line_typed_at_a_terminal_and_piped_lines_in_ba
 
 def test_generate_refuses_beam_search_with_sampling(run_dir):
     result = runner.invoke(app, ["generate", str(run_dir), "seven", "--sample", "--beam", "3"])
-    assert result.exit_code == 1 and result.output.startswith("error: --beam 3 with --sample: ")
+    assert result.exit_code == 1 and result.output.startswith("error: --beam-size 3 with --sample: ")
 
 
 def test_generate_json_sampling_and_nbest(run_dir):
@@ -127,7 +127,7 @@ def test_missing_run_folder_is_a_one_line_error(tmp_path):
 
 
 def test_out_of_range_decoding_flags_are_one_line_errors_naming_the_flag(run_dir):
-    for flags, message in ((["--beam", "0"], "--beam 0: must be >= 1"),
+    for flags, message in ((["--beam", "0"], "--beam-size 0: must be >= 1"),
                            (["--max-len", "0"], "--max-len 0: must be >= 1"),
                            (["--sample", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
                            (["--sample", "--temperature", "-1"], "--temperature -1.0: must be >= 0"),
@@ -137,7 +137,7 @@ def test_out_of_range_decoding_flags_are_one_line_errors_naming_the_flag(run_dir
         assert result.exit_code == 1, flags
         assert result.output == f"error: {message}\n"
     result = runner.invoke(app, ["eval", str(run_dir), "--beam", "-2"])
-    assert result.exit_code == 1 and result.output == "error: --beam -2: must be >= 1\n"
+    assert result.exit_code == 1 and result.output == "error: --beam-size -2: must be >= 1\n"
 
 
 def test_eval_output_makes_its_folder_and_an_unwritable_path_is_a_one_line_error(run_dir, tmp_path):

@@ -13,9 +13,9 @@ import typer
 from typer.core import TyperGroup
 
 from tformer_cli import __version__
-from tformer_cli.cli_options import (ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DeviceOpt, JsonOpt, PrecisionOpt, QuietOpt,
-                                     RunArg, SetOpt, check_decoding_flags, check_image_name, check_text, decoding_autocast,
-                                     stdin_lines)
+from tformer_cli.cli_options import (
+    ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, DeviceOpt, JsonOpt, PrecisionOpt, QuietOpt, RunArg,
+    SetOpt, check_decoding_flags, check_image_name, check_text, decoding_autocast, stdin_lines)
 from tformer_cli.errors import Interrupted, TformerError, UsageError
 
 
@@ -163,8 +163,9 @@ def _stopped_by_signal(signum: int, run_dir: Path | None, main: bool) -> None:
 @app.command("eval")
 def eval_command(
     run: RunArg,
-    split: Annotated[str, typer.Option(help="Split of the run's dataset: train, validation, test.")] = "test",
-    beam: BeamOpt = None,
+    split: Annotated[Optional[str], typer.Option(
+        help="Split of the run's dataset (default: its data.test_split, e.g. test).")] = None,
+    beam_size: BeamOpt = None,
     output: Annotated[Optional[Path], typer.Option(help="Write hypotheses here, one a line, in input order.")] = None,
     data_files: Annotated[Optional[list[Path]], typer.Option(
         help="Evaluate these files instead (jsonl/csv/parquet, or source + target text files).")] = None,
@@ -173,7 +174,7 @@ def eval_command(
     max_samples: Annotated[Optional[int], typer.Option(help="Only the first N pairs.")] = None,
     batch_size: BatchOpt = None,
     length_penalty: AlphaOpt = None,
-    device: DeviceOpt = None,
+    device: DecodeDeviceOpt = None,
     precision: PrecisionOpt = "fp32",
     accel: AccelOpt = "auto",
     json_output: JsonOpt = False,
@@ -193,7 +194,8 @@ def eval_command(
     from tformer_cli.render import eval_table, print_json
     from tformer_cli.runtime import load_run, resolve_device
 
-    check_decoding_flags(beam=beam, batch_size=batch_size, max_samples=max_samples, length_penalty=length_penalty)
+    check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_samples=max_samples,
+                         length_penalty=length_penalty)
     check_mode(accel)
     for path in data_files or []:
         if not path.is_file():
@@ -205,11 +207,12 @@ def eval_command(
         output.parent.mkdir(parents=True, exist_ok=True)
         open(output, "a").close()
     data = loaded.config.data
+    split = split or data.test_split or "test"
     if data_files:
         data = replace(data, data_files={split: [str(f) for f in data_files]}, format="auto")
     data = replace(data, source=source_field or data.source, target=target_field or data.target,
                    max_samples=max_samples)
-    options = DecodeOptions.from_config(loaded.config.decode, beam_size=beam, length_penalty=length_penalty)
+    options = DecodeOptions.from_config(loaded.config.decode, beam_size=beam_size, length_penalty=length_penalty)
     with amp:
         result = evaluate_run(loaded.model, loaded.vocab, data, split, options,
                               batch_size or loaded.config.decode.batch_size, loaded.config.train.max_tokens, dev)
@@ -224,7 +227,7 @@ def eval_command(
 def generate(
     run: RunArg,
     texts: Annotated[Optional[list[str]], typer.Argument(help="Texts to translate; none: read stdin lines.")] = None,
-    beam: BeamOpt = None,
+    beam_size: BeamOpt = None,
     sample: Annotated[bool, typer.Option("--sample", help="Sample instead of searching.")] = False,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens.")] = None,
@@ -234,7 +237,7 @@ def generate(
     max_len: Annotated[Optional[int], typer.Option(help="At most this many output tokens.")] = None,
     batch_size: BatchOpt = None,
     length_penalty: AlphaOpt = None,
-    device: DeviceOpt = None,
+    device: DecodeDeviceOpt = None,
     precision: PrecisionOpt = "fp32",
     accel: AccelOpt = "auto",
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object a line.")] = False,
@@ -253,17 +256,17 @@ def generate(
     from tformer_cli.render import generation_lines, warn
     from tformer_cli.runtime import load_run, resolve_device
 
-    check_decoding_flags(beam=beam, nbest=nbest, batch_size=batch_size, max_len=max_len, temperature=temperature,
+    check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_len=max_len, temperature=temperature,
                           top_k=top_k, top_p=top_p, length_penalty=length_penalty)
     check_mode(accel)
-    if sample and beam is not None and beam > 1:
-        raise UsageError(f"--beam {beam} with --sample: sampling draws each token at random, not by beam search; "
-                         "drop --beam (--nbest N draws N samples)")
+    if sample and beam_size is not None and beam_size > 1:
+        raise UsageError(f"--beam-size {beam_size} with --sample: sampling draws each token at random, not by beam "
+                         "search; drop --beam-size (--nbest N draws N samples)")
     dev = resolve_device(device or "auto")
     amp = decoding_autocast(dev, precision)
     loaded = load_run(run, dev, accel)
     limits = {"max_len_a": 0.0, "max_len_b": max_len} if max_len is not None else {}
-    options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam, sample=sample,
+    options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam_size, sample=sample,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, nbest=nbest,
                                         length_penalty=length_penalty, **limits)
     size = batch_size or loaded.config.decode.batch_size or default_batch_size(options)
@@ -292,7 +295,7 @@ def inspect_attention(
     head: Annotated[str, typer.Option(help="Head N (1-based), mean, or all.")] = "mean",
     values: Annotated[bool, typer.Option("--values", help="Print the weights in the cells.")] = False,
     save: Annotated[Optional[Path], typer.Option(help="Also draw the maps to an image (.png, .svg, .pdf).")] = None,
-    device: DeviceOpt = None,
+    device: DecodeDeviceOpt = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the weights and tokens as JSON.")] = False,
 ) -> None:
     """Show attention maps for one sentence: queries as rows, keys as columns, strongest key marked.
@@ -378,12 +381,12 @@ def plot(
 def count_params(
     config: Annotated[Optional[Path], typer.Argument(help="A YAML config; flags below override it.")] = None,
     d_model: Annotated[Optional[int], typer.Option("--d-model", help="Model width (default 512).")] = None,
-    heads: Annotated[Optional[int], typer.Option("--heads", help="Attention heads (default 8).")] = None,
+    heads: Annotated[Optional[int], typer.Option("--num-heads", "--heads", help="Attention heads (default 8).")] = None,
     layers: Annotated[Optional[int], typer.Option("--layers", help="Layers in each stack (default 6).")] = None,
     d_ff: Annotated[Optional[int], typer.Option("--d-ff", help="FFN width (default 4 x d_model).")] = None,
-    vocab: Annotated[Optional[int], typer.Option("--vocab", help="Vocabulary size (default 37000).")] = None,
+    vocab: Annotated[Optional[int], typer.Option("--vocab-size", "--vocab", help="Vocabulary size (default 37000).")] = None,
     share: Annotated[Optional[str], typer.Option(
-        "--share", help="Tied embeddings: all | decoder | none (default all).")] = None,
+        "--share-embeddings", "--share", help="Tied embeddings: all | decoder | none (default all).")] = None,
     encoder_layers: Annotated[Optional[int], typer.Option(rich_help_panel=ADVANCED)] = None,
     decoder_layers: Annotated[Optional[int], typer.Option(rich_help_panel=ADVANCED)] = None,
     norm: Annotated[Optional[str], typer.Option(help="post | pre", rich_help_panel=ADVANCED)] = None,

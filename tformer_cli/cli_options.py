@@ -20,11 +20,14 @@ SetOpt = Annotated[Optional[list[str]], typer.Option(
     "--set", metavar="SECTION.KEY=VALUE", help="Override a config key, e.g. --set train.lr=3e-4 (repeatable).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(
     "--device", help="auto | cpu | cuda (default: the config's train.device).")]
+DecodeDeviceOpt = Annotated[Optional[str], typer.Option(
+    "--device", help="auto | cpu | cuda (default auto: a GPU where there is one).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
 RunArg = Annotated[Path, typer.Argument(help="Run folder (or a checkpoint folder inside it).")]
 
 # decoding, for eval and generate
-BeamOpt = Annotated[Optional[int], typer.Option("--beam", help="Beam size; 1 is greedy (default: config).")]
+BeamOpt = Annotated[Optional[int], typer.Option(
+    "--beam-size", "--beam", help="decode.beam_size: 1 is greedy (default: the run's config).")]
 BatchOpt = Annotated[Optional[int], typer.Option(help="Sentences per batch (default: config; else 256 / beam).",
                                                  rich_help_panel=ADVANCED)]
 AlphaOpt = Annotated[Optional[float], typer.Option(help="GNMT length penalty alpha.", rich_help_panel=ADVANCED)]
@@ -41,7 +44,7 @@ def check_decoding_flags(**flags) -> None:
     from tformer_cli.config import DECODE_LIMITS
 
     at_least_one = (lambda v: v >= 1, ">= 1")
-    limits = {**DECODE_LIMITS, "beam": DECODE_LIMITS["beam_size"], "nbest": at_least_one, "max_len": at_least_one,
+    limits = {**DECODE_LIMITS, "nbest": at_least_one, "max_len": at_least_one,
               "max_samples": at_least_one}
     for name, value in flags.items():
         ok, expected = limits[name]
