@@ -63,17 +63,24 @@ def json_line(record: dict[str, Any]) -> str:
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append one record; an unfinished last line (a write cut short by a kill) is dropped first."""
     with path.open("a+b") as f:
-        end = f.seek(0, os.SEEK_END)
-        if end:
+        if _ends_mid_line(f):
+            end = f.seek(0, os.SEEK_END)
             f.seek(max(0, end - _TAIL))
             tail = f.read()
-            if not tail.endswith(b"\n"):
-                cut = tail.rfind(b"\n")
-                if cut >= 0 or end <= _TAIL:
-                    f.truncate(end - len(tail) + cut + 1)
-                else:  # a line longer than the tail read: keep it, start a new one
-                    f.write(b"\n")
+            cut = tail.rfind(b"\n")
+            if cut >= 0 or end <= _TAIL:
+                f.truncate(end - len(tail) + cut + 1)
+            else:  # a line longer than the tail read: keep it, start a new one
+                f.write(b"\n")
         f.write(json_line(record).encode())
+
+
+def _ends_mid_line(f) -> bool:  # noqa: ANN001 - a binary file open for reading
+    end = f.seek(0, os.SEEK_END)
+    if end == 0:
+        return False
+    f.seek(end - 1)
+    return f.read(1) != b"\n"
 
 
 _TAIL = 1 << 16
