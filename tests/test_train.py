@@ -300,7 +300,7 @@ def test_a_diverged_run_stops_before_saving_and_keeps_its_good_checkpoints(tmp_p
 
 
 def test_fp16_loss_scale_is_kept_across_a_resume(tmp_path):
-    from tformer_cli.runtime import TRAINER
+    from tformer_cli.run_folder import TRAINER
 
     path = write_config(tmp_path / "f.yaml", train={"max_steps": 2, "save_every": 2, "precision": "fp16"})
     train(load_config(path), tmp_path / "run")

@@ -10,10 +10,16 @@ import json
 import re
 from pathlib import Path
 
+from tformer_cli.tokenizer import JOINT_FILE, SOURCE_FILE, TARGET_FILE
+
 MARKER = ".tformer-run"  # written first, when tformer creates a run folder
-_TOP = {MARKER, "config.yaml", "tokenizer.json", "tokenizer-source.json", "tokenizer-target.json",
-        "model.safetensors", "metrics.jsonl", "curves.png"}
-_CHECKPOINT_FILES = {"model.safetensors", "trainer.pt"}
+CONFIG = "config.yaml"  # the resolved config
+WEIGHTS = "model.safetensors"  # the run's best (or latest) weights, and each checkpoint's
+METRICS = "metrics.jsonl"  # every logged figure
+CHECKPOINTS = "checkpoints"  # step-N/ (WEIGHTS, TRAINER), ema/, average-*/
+TRAINER = "trainer.pt"  # optimizer, step, data position, RNG state
+_TOP = {MARKER, CONFIG, WEIGHTS, METRICS, JOINT_FILE, SOURCE_FILE, TARGET_FILE, "curves.png"}
+_CHECKPOINT_FILES = {WEIGHTS, TRAINER}
 _CHECKPOINT_FOLDER = re.compile(r"step-\d{8}|ema|average-[\w.-]+")
 _WRITERS_TEMPORARY = re.compile(r"\.tmp\w{6,}")  # safetensors' own, beside a file it was killed writing
 
@@ -37,7 +43,7 @@ def foreign_files(run_dir: Path) -> list[Path]:
     interrupted writes count as its own), in sorted order."""
     foreign = []
     for path in sorted(run_dir.iterdir()):
-        if path.name == "checkpoints" and path.is_dir() and not path.is_symlink():
+        if path.name == CHECKPOINTS and path.is_dir() and not path.is_symlink():
             foreign += _foreign_checkpoints(path)
         elif not _is_own_file(path, _TOP):
             foreign.append(path)

@@ -16,8 +16,8 @@ from pathlib import Path
 from tformer_cli.config import Config, load_config
 from tformer_cli.data import absolute_paths
 from tformer_cli.errors import CheckpointError, UsageError
-from tformer_cli.run_folder import MARKER, foreign_files, is_marked
-from tformer_cli.runtime import WEIGHTS, resolve_device, step_checkpoints
+from tformer_cli.run_folder import CONFIG, MARKER, WEIGHTS, foreign_files, is_marked
+from tformer_cli.runtime import resolve_device, step_checkpoints
 
 
 def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[str], output_dir: Path | None,
@@ -32,11 +32,11 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
     if (config_path is None) == (resume is None):
         raise UsageError("give either a CONFIG to start a run or --resume RUN_FOLDER to continue one")
     if resume is not None:
-        if not (Path(resume) / "config.yaml").is_file():
+        if not (Path(resume) / CONFIG).is_file():
             raise CheckpointError(f"--resume {resume}: not a run folder (no config.yaml)")
-        config = load_config(Path(resume) / "config.yaml", overrides, saved_run=True)
+        config = load_config(Path(resume) / CONFIG, overrides, saved_run=True)
         if overrides:
-            _refuse_fixed_changes(load_config(Path(resume) / "config.yaml", saved_run=True), config)
+            _refuse_fixed_changes(load_config(Path(resume) / CONFIG, saved_run=True), config)
         config.name, run_dir = Path(resume).name, Path(resume)
     else:
         config = load_config(config_path, overrides)
@@ -95,6 +95,6 @@ def stop_message(signum: int, run_dir: Path | None) -> str:
     last = step_checkpoints(run_dir) if run_dir is not None else []
     if last:
         return f"stopped by {name}; checkpoint {last[-1]}; resume with: tformer train --resume {run_dir}"
-    again = f"tformer train --resume {run_dir}" if run_dir is not None and (run_dir / "config.yaml").is_file() \
+    again = f"tformer train --resume {run_dir}" if run_dir is not None and (run_dir / CONFIG).is_file() \
         else shlex.join(["tformer", *sys.argv[1:]])  # a resume of a run with no checkpoint starts it afresh
     return f"stopped by {name} before the first checkpoint; start it again with: {again}"

@@ -32,11 +32,9 @@ from tformer_cli.accel import ops
 from tformer_cli.config import Config, load_config, to_yaml
 from tformer_cli.errors import CheckpointError, UsageError, first_line
 from tformer_cli.files import read_jsonl, replacing, write_text_atomic
-from tformer_cli.run_folder import mark_run_folder
+from tformer_cli.run_folder import CHECKPOINTS, CONFIG, METRICS, TRAINER, WEIGHTS, mark_run_folder
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
-WEIGHTS, TRAINER, CHECKPOINTS = "model.safetensors", "trainer.pt", "checkpoints"
-CONFIG, METRICS = "config.yaml", "metrics.jsonl"
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -163,7 +161,7 @@ def save_run_files(run_dir: Path, config: Config, vocab: Vocabulary | None = Non
 
 
 def load_run_config(run_dir: Path) -> Config:
-    path = Path(run_dir) / "config.yaml"
+    path = Path(run_dir) / CONFIG
     if not path.is_file():
         raise CheckpointError(f"{run_dir}: not a run folder (no config.yaml); pass the folder `tformer train` wrote, "
                               "e.g. runs/demo")
@@ -190,7 +188,7 @@ def find_weights(path: Path) -> tuple[Path, Path]:
         raise CheckpointError(f"{path}: no such run folder; train one with `tformer train CONFIG`")
     if path.is_file():
         return _run_of(path.parent), path
-    if (path / "config.yaml").is_file():
+    if (path / CONFIG).is_file():
         if (path / WEIGHTS).is_file():
             return path, path / WEIGHTS
         steps = step_checkpoints(path)
@@ -204,7 +202,7 @@ def find_weights(path: Path) -> tuple[Path, Path]:
 
 def _run_of(folder: Path) -> Path:
     for candidate in (folder, folder.parent, folder.parent.parent):
-        if (candidate / "config.yaml").is_file():
+        if (candidate / CONFIG).is_file():
             return candidate
     raise CheckpointError(f"{folder}: not a run folder (no config.yaml), nor a checkpoint inside one; pass the "
                           "folder `tformer train` wrote, e.g. runs/demo")

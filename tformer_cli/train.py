@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,10 +31,10 @@ from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
 from tformer_cli.parallel import GradientSync, Workers
+from tformer_cli.run_folder import CHECKPOINTS, METRICS, WEIGHTS
 from tformer_cli.runtime import (
-    CHECKPOINTS, METRICS, WEIGHTS, autocast, load_trainer_state, load_weights, resolve_device, rng_state,
-    save_checkpoint, save_run_files, save_weights, seed_everything, set_rng_state, slow_precision,
-    step_checkpoints)
+    autocast, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint, save_run_files,
+    save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 Callback = Callable[[str, dict[str, Any]], None]
@@ -174,73 +174,70 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     session_start, elapsed_before = time.perf_counter(), state.elapsed
     model.train()
     gradients = GradientSync(workers, model.parameters())
-    try:
-        with signals.between_steps():
-            while stop_reason is None:
-                batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, workers)
-                while state.batch_in_epoch < len(batches) and stop_reason is None:
-                    # batch: grad_accum consecutive batches make one optimizer step
-                    start = state.batch_in_epoch
-                    group = [collate(data, ids) for ids in batches[start:start + cfg.grad_accum]]
-                    group_tokens = sum(b.num_tokens for b in group)
-                    stop = signals.received is not None  # a signal stops training between two steps
-                    if workers.size > 1:  # the loss is normalised by every process's tokens; rank 0's clock rules
-                        own_clock = elapsed_before + time.perf_counter() - session_start if workers.main else 0.0
-                        total, clock, stops = workers.sum(group_tokens, own_clock, stop)
-                        group_tokens, stop = int(total), stops > 0  # all processes stop at the same step
-                    if stop:
-                        stop_reason = "interrupted"
-                        break
-                    if not workers.main:  # dropout masks of their own, drawn so that a resumed run draws them again
-                        torch.manual_seed(cfg.seed + 1_000_003 * workers.rank + state.step)
-                    nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
-                    for i, batch in enumerate(group):
-                        with amp:  # forward + loss
-                            loss, nll = loss_fn(model, batch.to(device), cfg.label_smoothing, cfg.rdrop)
-                        if i == len(group) - 1:
-                            gradients.arm()  # sum over the processes as the last backward finishes gradients
-                        scaler.scale(loss / group_tokens).backward()  # backward
-                        nll_sum += nll
-                    gradients.finish()
-                    scaler.unscale_(optimizer)
-                    if cfg.clip_grad_norm:  # clip
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-                    horizon = cosine_horizon(cfg, total_steps, state.step, state.elapsed) if cfg.schedule == "cosine" else None
-                    lr = learning_rate(state.step + 1, cfg, config.model.d_model, horizon)  # schedule
-                    for param_group in optimizer.param_groups:
-                        param_group["lr"] = lr
-                    scaler.step(optimizer)  # step
-                    scaler.update()
-                    optimizer.zero_grad(set_to_none=True)
-                    if setup.ema is not None:
-                        setup.ema.update()
-                    state.step += 1
-                    state.batch_in_epoch += len(group)
-                    state.target_tokens += group_tokens
-                    state.elapsed = clock if workers.size > 1 else elapsed_before + time.perf_counter() - session_start
-                    window["loss"] += nll_sum
-                    window["tokens"] += group_tokens
-                    if state.step % cfg.log_every == 0:  # callback
-                        _log(notify, run_dir, state, window, lr, total_steps, workers, model)
-                    stop_reason = _stop_reason(cfg, state)
-                    paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
-                    if setup.validates and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
-                        last_eval = _evaluate(setup, state, notify)
-                        if cfg.patience and state.evals_without_improvement >= cfg.patience and not stop_reason:
-                            stop_reason = f"no improvement in {cfg.patience} evaluations (early stopping)"
-                    if state.step % (cfg.save_every or cfg.eval_every) == 0 or stop_reason:  # checkpoint
-                        _checkpoint(setup, notify)
-                    window["start"] += time.perf_counter() - paused
-                if state.batch_in_epoch >= len(batches):
-                    state.epoch += 1
-                    state.batch_in_epoch = 0
-                    stop_reason = stop_reason or _stop_reason(cfg, state)
-                    if stop_reason is None:
-                        data = _epoch_split(setup)  # the next epoch's segmentation
-            if stop_reason == "interrupted" and setup.saved_step != state.step:
-                _checkpoint(setup, notify)  # at a step boundary, so that a resume continues exactly
-    finally:
-        gradients.close()
+    with signals.between_steps(), closing(gradients):
+        while stop_reason is None:
+            batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, workers)
+            while state.batch_in_epoch < len(batches) and stop_reason is None:
+                # batch: grad_accum consecutive batches make one optimizer step
+                start = state.batch_in_epoch
+                group = [collate(data, ids) for ids in batches[start:start + cfg.grad_accum]]
+                group_tokens = sum(b.num_tokens for b in group)
+                stop = signals.received is not None  # a signal stops training between two steps
+                if workers.size > 1:  # the loss is normalised by every process's tokens; rank 0's clock rules
+                    own_clock = elapsed_before + time.perf_counter() - session_start if workers.main else 0.0
+                    total, clock, stops = workers.sum(group_tokens, own_clock, stop)
+                    group_tokens, stop = int(total), stops > 0  # all processes stop at the same step
+                if stop:
+                    stop_reason = "interrupted"
+                    break
+                if not workers.main:  # dropout masks of their own, drawn so that a resumed run draws them again
+                    torch.manual_seed(cfg.seed + 1_000_003 * workers.rank + state.step)
+                nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
+                for i, batch in enumerate(group):
+                    with amp:  # forward + loss
+                        loss, nll = loss_fn(model, batch.to(device), cfg.label_smoothing, cfg.rdrop)
+                    if i == len(group) - 1:
+                        gradients.arm()  # sum over the processes as the last backward finishes gradients
+                    scaler.scale(loss / group_tokens).backward()  # backward
+                    nll_sum += nll
+                gradients.finish()
+                scaler.unscale_(optimizer)
+                if cfg.clip_grad_norm:  # clip
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                horizon = cosine_horizon(cfg, total_steps, state.step, state.elapsed) if cfg.schedule == "cosine" else None
+                lr = learning_rate(state.step + 1, cfg, config.model.d_model, horizon)  # schedule
+                for param_group in optimizer.param_groups:
+                    param_group["lr"] = lr
+                scaler.step(optimizer)  # step
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                if setup.ema is not None:
+                    setup.ema.update()
+                state.step += 1
+                state.batch_in_epoch += len(group)
+                state.target_tokens += group_tokens
+                state.elapsed = clock if workers.size > 1 else elapsed_before + time.perf_counter() - session_start
+                window["loss"] += nll_sum
+                window["tokens"] += group_tokens
+                if state.step % cfg.log_every == 0:  # callback
+                    _log(notify, run_dir, state, window, lr, total_steps, workers, model)
+                stop_reason = _stop_reason(cfg, state)
+                paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
+                if setup.validates and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
+                    last_eval = _evaluate(setup, state, notify)
+                    if cfg.patience and state.evals_without_improvement >= cfg.patience and not stop_reason:
+                        stop_reason = f"no improvement in {cfg.patience} evaluations (early stopping)"
+                if state.step % (cfg.save_every or cfg.eval_every) == 0 or stop_reason:  # checkpoint
+                    _checkpoint(setup, notify)
+                window["start"] += time.perf_counter() - paused
+            if state.batch_in_epoch >= len(batches):
+                state.epoch += 1
+                state.batch_in_epoch = 0
+                stop_reason = stop_reason or _stop_reason(cfg, state)
+                if stop_reason is None:
+                    data = _epoch_split(setup)  # the next epoch's segmentation
+        if stop_reason == "interrupted" and setup.saved_step != state.step:
+            _checkpoint(setup, notify)  # at a step boundary, so that a resume continues exactly
     notify("end", {"state": asdict(state), "stop_reason": stop_reason, "last_eval": last_eval})
     return TrainResult(run_dir, state, stop_reason, last_eval, signals.received)
 
