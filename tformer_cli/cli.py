@@ -43,7 +43,7 @@ class _ErrorBoundary(TyperGroup):
             from tformer_cli.render import error_lines
 
             error_lines("interrupted")
-            raise typer.Exit(128 + getattr(exc, "signum", 2)) from None
+            raise typer.Exit(128 + getattr(exc, "signum", signal.SIGINT)) from None
         except RuntimeError as exc:  # out of memory: say which setting to lower, not where torch ran out
             if not _out_of_memory(exc) or ctx.params.get("debug"):
                 raise
