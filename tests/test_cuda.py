@@ -74,3 +74,26 @@ def test_training_on_cuda_with_autocast(tmp_path, precision):
     losses = [d["loss"] for e, d in events if e == "step"]
     assert result.state.step == 20 and losses[-1] < losses[0]
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_two_processes_on_cuda_train_as_one_process_accumulating(tmp_path, engine):
+    """NCCL with a GPU per process; on a machine with one GPU, both processes share it over gloo."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    config = write_config(tmp_path / "p.yaml", model={"dropout": 0.0}, data={"max_samples": 800},
+                          train={"device": "cuda", "max_steps": 4, "eval_every": 2, "log_every": 2})
+    train(load_config(config, overrides=["train.grad_accum=2"]), tmp_path / "one")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+               "tformer_cli", "train", str(config), "--output-dir", str(tmp_path / "two"), "--quiet", "--json",
+               "--set", f"train.parallel={engine}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout)["step"] == 4
+    ours, theirs = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("one", "two"))
+    for name in ours:
+        torch.testing.assert_close(theirs[name], ours[name], rtol=1e-4, atol=1e-5)  # TF32 products where enabled

@@ -1,6 +1,13 @@
+"""Several training processes (gloo, on the CPU): DDP and FSDP2 take the steps one process takes with
+grad_accum, checkpoints resume on another number of processes, and a process that dies stops the rest."""
+
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -11,6 +18,8 @@ from conftest import write_config
 from tformer_cli.cli import app
 from tformer_cli.runtime import step_checkpoints
 
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+
 
 def _torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
@@ -18,40 +27,54 @@ def _torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
-def test_two_processes_train_as_one_process_accumulating_two_batches(tmp_path):
+def _one_process(*args: str) -> None:
+    result = CliRunner().invoke(app, [*args, "--quiet"])
+    assert result.exit_code == 0, result.output
+
+
+def _assert_same_weights(run_a, run_b, checkpoint: str = "", rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    ours, theirs = (load_file(str(run / checkpoint / "model.safetensors")) for run in (run_a, run_b))
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(theirs[name], ours[name], rtol=rtol, atol=atol)
+
+
+def _records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_losses(run_a, run_b) -> None:
+    a, b = _records(run_a), _records(run_b)
+    assert [(r["split"], r["step"]) for r in a] == [(r["split"], r["step"]) for r in b]
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+
+
+@pytest.fixture
+def config(tmp_path):
     # no dropout, and 4 steps within the first epoch (whose last odd batch two processes leave out)
-    config = write_config(tmp_path / "p.yaml", model={"dropout": 0.0}, data={"max_samples": 800},
-                          train={"max_steps": 4, "eval_every": 2, "save_every": 2, "log_every": 2})
+    return write_config(tmp_path / "p.yaml", model={"dropout": 0.0}, data={"max_samples": 800},
+                        train={"max_steps": 4, "eval_every": 2, "save_every": 2, "log_every": 2})
+
+
+def test_ddp_two_processes_train_as_one_process_accumulating_two_batches(tmp_path, config):
     one, two = tmp_path / "one", tmp_path / "two"
-    single = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(one), "--quiet",
-                                      "--set", "train.grad_accum=2"])
-    assert single.exit_code == 0, single.output
+    _one_process("train", str(config), "--output-dir", str(one), "--set", "train.grad_accum=2")
     both = _torchrun(2, "train", str(config), "--output-dir", str(two), "--quiet", "--json")
     assert both.returncode == 0, both.stderr[-3000:]
     summary = json.loads(both.stdout)  # rank 0 alone prints
     assert summary["step"] == 4 and summary["stop_reason"] == "reached train.max_steps 4"
     # every step the same gradients, so the same weights, losses and validation
     assert [c.name for c in step_checkpoints(two)] == [c.name for c in step_checkpoints(one)]
-    for a, b in zip(step_checkpoints(one), step_checkpoints(two)):
-        ours, theirs = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-        for name in ours:
-            torch.testing.assert_close(theirs[name], ours[name], rtol=1e-5, atol=1e-6)
-    records = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (one, two)]
-    assert [r["split"] for r in records[0]] == [r["split"] for r in records[1]]
-    for a, b in zip(*records):
-        assert a["step"] == b["step"] and a.get("epoch") == b.get("epoch") in (0, None)
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    for checkpoint in step_checkpoints(one):
+        _assert_same_weights(one, two, f"checkpoints/{checkpoint.name}")
+    _assert_same_losses(one, two)
     # two processes' first 2 steps, resumed by one process taking two batches a step: the same run
     halfway = tmp_path / "halfway"
     assert _torchrun(2, "train", str(config), "--output-dir", str(halfway), "--quiet",
                      "--set", "train.max_steps=2").returncode == 0
-    alone = CliRunner().invoke(app, ["train", "--resume", str(halfway), "--quiet", "--set", "train.max_steps=4",
-                                     "--set", "train.grad_accum=2"])
-    assert alone.exit_code == 0, alone.output
-    ours, theirs = (load_file(str(step_checkpoints(run)[-1] / "model.safetensors")) for run in (two, halfway))
-    for name in ours:
-        torch.testing.assert_close(theirs[name], ours[name], rtol=1e-5, atol=1e-6)
+    _one_process("train", "--resume", str(halfway), "--set", "train.max_steps=4", "--set", "train.grad_accum=2")
+    _assert_same_weights(two, halfway)
     # resumed by two processes, the run goes on from its last checkpoint; a time limit stops both at
     # one step (rank 0's clock), or one would wait forever for the other's gradients
     limit = summary["elapsed"] + 2
@@ -62,7 +85,61 @@ def test_two_processes_train_as_one_process_accumulating_two_batches(tmp_path):
     assert resumed["stop_reason"] == f"reached train.max_time {limit:g} s" and resumed["step"] > 4
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+@pytest.mark.slow
+def test_ddp_accumulates_without_syncing_until_the_last_batch(tmp_path, config):
+    one, two = tmp_path / "one", tmp_path / "two"
+    _one_process("train", str(config), "--output-dir", str(one), "--set", "train.grad_accum=4")
+    both = _torchrun(2, "train", str(config), "--output-dir", str(two), "--quiet", "--set", "train.grad_accum=2")
+    assert both.returncode == 0, both.stderr[-3000:]
+    _assert_same_weights(one, two)
+    _assert_same_losses(one, two)
+
+
+@pytest.mark.slow
+def test_fsdp_shards_and_trains_as_one_process_and_resumes_on_any_number(tmp_path, config):
+    """FSDP2 on CPU/gloo: the same weights, losses and moving average as one process; the run folder
+    holds whole tensors, so one process or DDP continues a sharded run, and FSDP a single one."""
+    one, sharded = tmp_path / "one", tmp_path / "sharded"
+    _one_process("train", str(config), "--output-dir", str(one), "--set", "train.grad_accum=2",
+                 "--set", "train.ema_decay=0.9")
+    both = _torchrun(2, "train", str(config), "--output-dir", str(sharded), "--quiet", "--set", "train.parallel=fsdp",
+                     "--set", "train.ema_decay=0.9")
+    assert both.returncode == 0, both.stderr[-3000:]
+    for checkpoint in ("", "checkpoints/step-00000002", "checkpoints/step-00000004", "checkpoints/ema"):
+        _assert_same_weights(one, sharded, checkpoint)
+    _assert_same_losses(one, sharded)
+    saved = [torch.load(step_checkpoints(run)[-1] / "trainer.pt", weights_only=True) for run in (one, sharded)]
+    torch.testing.assert_close(saved[1]["optimizer"], saved[0]["optimizer"], rtol=1e-5, atol=1e-7)
+    # two more steps from step 2 of the sharded run: by one process, by DDP and by FSDP
+    straight = tmp_path / "straight"
+    _one_process("train", str(config), "--output-dir", str(straight), "--set", "train.grad_accum=2",
+                 "--set", "train.max_steps=6")
+    for name, how in (("alone", None), ("ddp", "ddp"), ("fsdp", "fsdp")):
+        run = tmp_path / name
+        assert _torchrun(2, "train", str(config), "--output-dir", str(run), "--quiet", "--set", "train.max_steps=2",
+                         "--set", "train.parallel=fsdp").returncode == 0
+        more = ["--set", "train.max_steps=6"]
+        if how is None:
+            _one_process("train", "--resume", str(run), *more, "--set", "train.grad_accum=2")
+        else:
+            resumed = _torchrun(2, "train", "--resume", str(run), "--quiet", *more, "--set", f"train.parallel={how}")
+            assert resumed.returncode == 0, resumed.stderr[-3000:]
+        _assert_same_weights(straight, run)
+
+
+@pytest.mark.slow
+def test_fsdp_trains_in_bf16(tmp_path, config):
+    run = tmp_path / "bf16"
+    result = _torchrun(2, "train", str(config), "--output-dir", str(run), "--quiet", "--json",
+                       "--set", "train.parallel=fsdp", "--set", "train.precision=bf16", "--set", "train.max_steps=8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [r["loss"] for r in _records(run) if r["split"] == "train"]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    weights = load_file(str(run / "model.safetensors"))
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in weights.values())
+
+
+@pytest.mark.slow
 def test_two_processes_with_dropout_resume_bit_for_bit(tmp_path):
     config = write_config(tmp_path / "d.yaml", model={"dropout": 0.3}, data={"max_samples": 800},
                           train={"max_steps": 4, "save_every": 2, "eval_every": 1000})
@@ -75,7 +152,6 @@ def test_two_processes_with_dropout_resume_bit_for_bit(tmp_path):
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
 def test_a_mistake_stops_every_process_with_one_line_each(tmp_path):
     config = write_config(tmp_path / "bad.yaml", data={"dataset": str(tmp_path / "missing")})
     result = _torchrun(2, "train", str(config), "--output-dir", str(tmp_path / "run"), "--quiet")
@@ -87,51 +163,41 @@ def test_a_mistake_stops_every_process_with_one_line_each(tmp_path):
     assert "tformer_cli/" not in result.stderr  # no traceback from inside tformer (torchrun reports its own)
 
 
-def _model() -> torch.nn.Sequential:
-    """Buckets of 1 KiB: [last layer], [middle layer], [first layer], [unused layer]."""
-    torch.manual_seed(0)  # the same weights in every process
-    return torch.nn.Sequential(torch.nn.Linear(3, 3),  # not used: its gradient never finishes
-                               torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                               torch.nn.Linear(64, 4))
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def _sum_in_two_processes(rank: int, store_file: str, results: str) -> None:
-    import torch.distributed as dist
-
-    from tformer_cli.parallel import GradientSync, Workers
-
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+@pytest.mark.parametrize("engine, victim", [("ddp", 1), pytest.param("ddp", 0, marks=pytest.mark.slow),
+                                            pytest.param("fsdp", 0, marks=pytest.mark.slow),
+                                            pytest.param("fsdp", 1, marks=pytest.mark.slow)])
+def test_a_killed_process_stops_the_others_within_seconds(tmp_path, engine, victim):
+    """Without torchrun (which would stop the others itself): the processes that remain see the dead
+    one in their next collective and exit with one line each, instead of waiting for it."""
+    config = write_config(tmp_path / "k.yaml", data={"max_samples": 800},
+                          train={"max_steps": 100000, "eval_every": 1000000, "log_every": 1, "parallel": engine})
+    port, run = _free_port(), tmp_path / "run"
+    processes = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        processes.append(subprocess.Popen([sys.executable, "-m", "tformer_cli", "train", str(config), "--output-dir",
+                                           str(run), "--quiet"], env=env, stderr=subprocess.PIPE, text=True))
     try:
-        model = _model()
-        sync = GradientSync(Workers(rank, 2), model.parameters(), bucket_mb=1024 / 2**20)
-        torch.manual_seed(1 + rank)  # a batch of its own
-        model[1:](torch.randn(16, 8)).square().sum().backward()  # not armed: accumulates only
-        sync.arm()
-        model[1:](torch.randn(16, 8)).square().sum().backward()
-        started_during_backward = sync.started
-        sync.finish()
-        sync.close()
-        torch.save({"grads": [p.grad for p in model.parameters()], "started": started_during_backward,
-                    "buckets": len(sync.buckets)}, f"{results}.{rank}")
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() or len(_records(run)) < 3:  # training is under way
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes)
+            time.sleep(0.2)
+        processes[victim].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        survivor = processes[1 - victim]
+        stderr = survivor.communicate(timeout=60)[1]
+        assert time.monotonic() - killed < 60
+        errors = [line for line in stderr.splitlines() if line.strip()]
+        assert survivor.returncode == 1 and len(errors) == 1
+        assert errors[0].startswith(f"error: process {1 - victim}: another training process stopped (")
     finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
-def test_gradient_sync_sums_buckets_while_backward_runs(tmp_path):
-    import torch.multiprocessing as mp
-
-    results = str(tmp_path / "grads")
-    mp.spawn(_sum_in_two_processes, args=(str(tmp_path / "store"), results), nprocs=2)
-    ranks = [torch.load(f"{results}.{rank}") for rank in (0, 1)]
-    model = _model()
-    for rank in (0, 1):  # both processes' two batches, accumulated in one process
-        torch.manual_seed(1 + rank)
-        for _ in range(2):
-            model[1:](torch.randn(16, 8)).square().sum().backward()
-    expected = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    for result in ranks:
-        for got, want in zip(result["grads"], expected):
-            torch.testing.assert_close(got, want)
-        # the used layers' buckets started from the hooks, during backward; the unused one in finish
-        assert (result["buckets"], result["started"]) == (4, 3)
+        for p in processes:
+            p.kill()
+            p.wait()

@@ -89,6 +89,7 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     compile: bool = False
     accel: Literal["auto", "off"] = "auto"  # the speed layer (tformer_cli/accel): auto where it pays, off: plain
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (ddp), or shard it (fsdp)
     max_tokens: int = 4096  # padded tokens (source or target, the larger) per batch
     grad_accum: int = 1
     optimizer: Literal["adam", "adamw"] = "adam"

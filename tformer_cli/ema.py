@@ -36,16 +36,18 @@ class WeightEMA:
         ops.foreach_lerp_(self.shadow, self.params, 1.0 - decay)
 
     @contextmanager
+    @torch.no_grad()
     def applied(self) -> Iterator[None]:
-        """Within the block, the model holds the averaged weights (to save or evaluate them)."""
-        live = [p.data for p in self.params]
+        """Within the block, the model holds the averaged weights (to save or evaluate them). They are
+        copied in and out, not swapped, because FSDP keeps its own reference to each weight's storage."""
+        live = [p.detach().clone() for p in self.params]
         for p, s in zip(self.params, self.shadow):
-            p.data = s
+            p.copy_(s)
         try:
             yield
         finally:
             for p, data in zip(self.params, live):
-                p.data = data
+                p.copy_(data)
 
     def state_dict(self) -> dict[str, Any]:
         return {"updates": self.updates, "shadow": self.shadow}

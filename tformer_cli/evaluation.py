@@ -7,6 +7,7 @@ projection and softmax, which dominate a small model's cost, are computed at non
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -35,6 +36,22 @@ def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float,
     hidden = model.decode(tgt_in, model.encode(src)).hidden  # (B, T, d_model), or (2B, T, d_model)
     rows = hidden[torch.cat([real, real])] if rdrop else hidden[real]  # the first pass's tokens, then the second's
     return linear_smoothed_cross_entropy(rows, model.output_proj.weight, batch.tgt_out[real], smoothing, rdrop)
+
+
+class Seq2SeqLoss(torch.nn.Module):
+    """The training objective as one module: encoder, decoder and the fused loss in one ``forward``,
+    which is where DistributedDataParallel and FSDP hook in, so that they see the whole step.
+    ``loss`` computes it (``label_smoothed_loss``, or a compiled copy of it)."""
+
+    def __init__(self, model: torch.nn.Module, smoothing: float, rdrop: float = 0.0,
+                 loss: Callable[..., tuple[Tensor, Tensor]] = label_smoothed_loss) -> None:
+        super().__init__()
+        self.model = model
+        self.smoothing, self.rdrop, self.loss = smoothing, rdrop, loss
+
+    def forward(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """(smoothed loss sum, NLL sum) over the batch's real target tokens."""
+        return self.loss(self.model, batch, self.smoothing, self.rdrop)
 
 
 @dataclass

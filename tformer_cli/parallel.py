@@ -1,31 +1,46 @@
-"""Data-parallel training over the processes ``torchrun`` starts: one per GPU, or a few on a CPU.
+"""Training on several processes with PyTorch's own engines, launched by ``torchrun`` on one node or many.
 
     torchrun --standalone --nproc-per-node 4 -m tformer_cli train configs/base.yaml
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        -m tformer_cli train configs/base.yaml
 
-Every process builds the same model from the same seed and trains on every N-th batch of each epoch;
-the gradients are summed across processes (``GradientSync``), so all of them take the same optimizer
-step: N processes with batches of ``max_tokens`` train as one process with ``grad_accum`` N. Each step's token count (the loss is normalised by the tokens of all
-processes) and rank 0's clock (for ``max_time``) travel in one small all-reduce on the CPU, so the
-processes agree on when to stop without waiting on the GPU. Rank 0 alone writes the run folder and
-validates; the others receive its figures, so all agree on the best step and on early stopping.
-Ranks other than 0 draw their dropout masks from (seed, rank, step), so a resumed run draws them again.
+Every process builds the same model and trains on every N-th batch of each epoch. ``train.parallel``
+picks the engine that keeps the processes' weights equal:
 
-The model's own methods (``encode``, ``decode``) run the forward pass, not ``forward``, so torch's
-DistributedDataParallel, whose gradient hooks are armed by ``forward``, does not fit; ``GradientSync``
-does its part here: buckets of gradients are summed while the backward pass goes on.
+- ``ddp``: ``DistributedDataParallel``. Every process holds the whole model; gradients are averaged in
+  buckets that start while the backward pass is still running.
+- ``fsdp``: FSDP2 (``fully_shard``). Each encoder and decoder layer's weights, gradients and Adam state
+  are split across the processes and gathered layer by layer for forward and backward, for models
+  whose weights and optimizer state do not fit on one device.
+
+Either way the loss is normalised by all processes' target tokens, so N processes take the steps one
+process takes with ``grad_accum`` N. Each step's token count and rank 0's clock (for ``max_time``)
+travel in one small all-reduce on the CPU (``Workers.sum``), so the processes agree on when to stop
+without waiting on a GPU. Rank 0 alone writes the run folder and validates; the others receive its
+figures, so all agree on the best step and on early stopping. Checkpoints hold whole tensors
+(``gathered``), so a run resumes on any number of processes.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_map_only
 
 from tformer_cli.errors import TformerError
+
+ENGINES = ("ddp", "fsdp")
+# How long a process waits in a collective for the others: long enough for rank 0 to validate with BLEU
+# while the others wait for its figures, short enough that a process stuck without a peer ends.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,9 @@ class Workers:
     def together(self):
         """A collective that fails because another process stopped is one line here, not a traceback
         on every other process (the process that stopped prints the cause)."""
+        if self.size == 1:
+            yield
+            return
         try:
             yield
         except RuntimeError as exc:  # gloo and NCCL raise RuntimeError and its subclasses
@@ -73,101 +91,89 @@ class Workers:
                                "its own error says why") from exc
 
 
-class GradientSync:
-    """Sums the gradients over the processes while the backward pass is still running.
+def distribute(objective: nn.Module, layers: list[nn.Module], workers: Workers, engine: str,
+               device: torch.device) -> nn.Module:
+    """``objective`` (the module whose forward computes the loss) ready to train on ``workers``: as it
+    is for one process, wrapped in DDP, or sharded by FSDP2 ``layers`` first and then the rest (the
+    embeddings, output projection and final norms, gathered once per step)."""
+    if workers.size == 1:
+        return objective
+    if engine == "fsdp":
+        from torch.distributed.fsdp import fully_shard
 
-    Parameters are grouped into buckets of about ``bucket_mb`` MiB, in reverse order of definition
-    (roughly the order in which backward finishes their gradients). During the backward pass of a
-    step's last batch (``arm``) a hook counts each finished gradient; a full bucket is copied into a
-    flat buffer and its all-reduce starts at once, in the background, while backward goes on. Buckets
-    start in index order on every process, whatever order their gradients finish in, so the
-    processes' collectives always match. ``finish`` starts what is left, waits and copies the sums
-    back. One process: every method does nothing.
-    """
+        for layer in layers:
+            fully_shard(layer)
+        return fully_shard(objective)
+    from torch.nn.parallel import DistributedDataParallel
 
-    def __init__(self, workers: Workers, parameters, bucket_mb: float = 25.0) -> None:
-        self.workers = workers
-        self.armed = False
-        self.hooks, self.buckets, self.bucket_of = [], [], {}
-        if workers.size == 1:
-            return
-        params = list({id(p): p for p in parameters if p.requires_grad}.values())  # tied weights once
-        bucket, size = [], 0
-        for p in reversed(params):
-            bucket.append(p)
-            size += p.numel() * p.element_size()
-            if size >= bucket_mb * 2**20:
-                self.buckets.append(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self.buckets.append(bucket)
-        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.hooks = [p.register_post_accumulate_grad_hook(self._finished) for p in params]
-        self._reset()
+    # the model's buffers are constants (positions, ALiBi slopes): no need to broadcast them every step
+    return DistributedDataParallel(objective, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None,
+                                   broadcast_buffers=False)
 
-    def arm(self) -> None:
-        """The next backward pass completes this step's gradients: sum them as they finish."""
-        self.armed = self.workers.size > 1
 
-    def finish(self) -> None:
-        """Every parameter's gradient summed over the processes, in place (None counts as zeros)."""
-        if self.workers.size == 1:
-            return
-        self.waiting = [0] * len(self.buckets)
-        self._start_ready()
-        with self.workers.together():
-            for work in self.pending:
-                work.wait()
-        for bucket, flat in zip(self.buckets, self.flats):
-            grads = [p.grad for p in bucket]
-            for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
-                grad.copy_(summed.view_as(grad))
-        self._reset()
+def gradient_sync(trainer: nn.Module, last: bool):
+    """Within this block the backward pass syncs gradients across processes only if ``last`` (the last
+    micro-batch of a step): earlier ones accumulate locally, as ``grad_accum`` wants."""
+    if hasattr(trainer, "no_sync"):  # DDP
+        return nullcontext() if last else trainer.no_sync()
+    if hasattr(trainer, "set_requires_gradient_sync"):  # FSDP2
+        trainer.set_requires_gradient_sync(last)
+    return nullcontext()
 
-    def close(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
 
-    def _reset(self) -> None:
-        self.armed = False
-        self.waiting = [len(bucket) for bucket in self.buckets]  # gradients each bucket still waits for
-        self.started = 0  # buckets started, in index order
-        self.pending, self.flats = [], []
+def gathered(tree: Any) -> Any:
+    """``tree`` (a tensor, or dicts and lists of them) with every sharded tensor made whole. A
+    collective under FSDP: every process calls it, in the same order. Without sharding, ``tree`` itself."""
+    return tree_map_only(DTensor, lambda t: t.full_tensor(), tree)
 
-    def _finished(self, param: torch.Tensor) -> None:
-        if not self.armed:
-            return
-        i = self.bucket_of[id(param)]
-        self.waiting[i] -= 1
-        if self.waiting[i] == 0:
-            self._start_ready()
 
-    def _start_ready(self) -> None:
-        while self.started < len(self.buckets) and self.waiting[self.started] == 0:
-            bucket = self.buckets[self.started]
-            for p in bucket:
-                if p.grad is None:  # not used this step: it contributes zeros
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            with self.workers.together():
-                self.pending.append(dist.all_reduce(flat, async_op=True))
-            self.flats.append(flat)
-            self.started += 1
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a sharded tensor; the tensor itself if it is not sharded."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``whole`` (a saved full tensor) split the way ``param`` is, when ``param`` is sharded and the
+    shapes agree (Adam's moments); anything else as it is (a step count)."""
+    if isinstance(param, DTensor) and whole.shape == param.shape:
+        return distribute_tensor(whole.to(param.device), param.device_mesh, param.placements)
+    return whole
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state with whole tensors: the same on any number of processes (a collective
+    under FSDP)."""
+    return gathered(optimizer.state_dict())
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Load a state from ``optimizer_state``, split the way this process's parameters are."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {index: {key: shard_like(value, params[int(index)]) if isinstance(value, torch.Tensor) else value
+                     for key, value in entry.items()}
+             for index, entry in saved["state"].items()} if any(isinstance(p, DTensor) for p in params) \
+        else saved["state"]
+    optimizer.load_state_dict({**saved, "state": state})
 
 
 def join(device: torch.device) -> Workers:
     """Join the process group ``torchrun`` describes in the environment (WORLD_SIZE > 1): NCCL for the
-    gradients on CUDA, one GPU per process (LOCAL_RANK), and gloo for the CPU's small messages."""
+    gradients on CUDA, one GPU per process (LOCAL_RANK), and gloo for the CPU's small messages (and for
+    everything when a node runs more processes than it has GPUs)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1:
         return Workers()
     if not dist.is_initialized():
         if device.type == "cuda":
-            gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            gpus, local = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0"))
+            gpu = torch.device("cuda", local % gpus)
             torch.cuda.set_device(gpu)
-            dist.init_process_group("cpu:gloo,cuda:nccl", device_id=gpu)
+            # NCCL wants a GPU of its own per process; more processes than GPUs share them over gloo
+            shared = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > gpus
+            backend = "cpu:gloo,cuda:gloo" if shared else "cpu:gloo,cuda:nccl"
+            dist.init_process_group(backend, device_id=None if shared else gpu, timeout=COLLECTIVE_TIMEOUT)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     return Workers(dist.get_rank(), size)
 
 

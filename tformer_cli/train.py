@@ -2,8 +2,8 @@
 batch -> forward -> loss -> backward -> clip -> step -> schedule -> callback -> evaluation -> checkpoint.
 
 Progress leaves through ``callback(event, data)``; nothing here prints. Under ``torchrun`` several
-processes train together (``parallel.py``): batches are sharded by rank, gradients summed, and only
-rank 0 logs, validates and saves.
+processes train together (``parallel.py``: DDP or FSDP2): batches are sharded by rank, and only rank 0
+logs, validates and saves.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,11 @@ from tformer_cli.data import (
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError, first_line
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
-from tformer_cli.evaluation import evaluate_loss, label_smoothed_loss
+from tformer_cli.evaluation import Seq2SeqLoss, evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
-from tformer_cli.parallel import GradientSync, Workers
+from tformer_cli.parallel import (
+    Workers, distribute, gathered, gradient_sync, load_optimizer_state, local, optimizer_state, shard_like)
 from tformer_cli.run_folder import CHECKPOINTS, METRICS, WEIGHTS
 from tformer_cli.runtime import (
     autocast, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint, save_run_files,
@@ -76,24 +77,51 @@ class _Setup:
         self._load_data(resume, notify)
         if workers.main:
             workers.barrier()
-        seed_everything(config.train.seed)  # the same initial weights in every process
-        self.model = build_model(config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(device)
-        accelerate(self.model, device, config.train.accel)  # the speed layer, unless train.accel is off
-        self.optimizer = make_optimizer(self.model, config.train, device)
+        cfg = config.train
+        seed_everything(cfg.seed)  # the same initial weights in every process
+        self.model = self._build_model()
+        checkpoint = self._last_checkpoint() if resume else None
+        if checkpoint is not None:
+            load_weights(self.model, checkpoint / WEIGHTS)
+        # the objective in one module, for DDP or FSDP to wrap when several processes train
+        loss = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
+        layers = [*self.model.encoder.layers, *self.model.decoder.layers]
+        self.trainer = distribute(Seq2SeqLoss(self.model, cfg.label_smoothing, cfg.rdrop, loss), layers, workers,
+                                  cfg.parallel, device)
+        # under FSDP no process holds the whole model: rank 0 gathers it into a copy to validate and save
+        self.sharded = workers.size > 1 and cfg.parallel == "fsdp"
+        self.replica = self._build_model() if self.sharded and workers.main else None
+        self.optimizer = make_optimizer(self.model, cfg, device)  # over the parameters as distributed
         # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
-        self.scaler = torch.amp.GradScaler(device.type, enabled=config.train.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
         self.state, saved = TrainState(), {}
         # overrides given on resume are recorded in config.yaml with the first checkpoint made under them,
         # so that a resume whose overrides make it diverge leaves the run's config as it was
         self.config_unsaved = resume
         self.saved_step: int | None = None  # the step of the last checkpoint written or resumed from
-        if resume:
-            saved = self._restore()
+        if checkpoint is not None:
+            saved = self._restore(checkpoint)
             self.saved_step = self.state.step
         # a moving average of the weights: continued on resume, else started from the weights as they are
-        self.ema = WeightEMA(self.model, config.train.ema_decay, self.state.step) if config.train.ema_decay else None
+        self.ema = WeightEMA(self.model, cfg.ema_decay, self.state.step) if cfg.ema_decay else None
         if self.ema is not None and "ema" in saved:
-            self.ema.load_state_dict(saved["ema"])
+            shadow = [shard_like(t, s) for t, s in zip(saved["ema"]["shadow"], self.ema.shadow)]
+            self.ema.load_state_dict({**saved["ema"], "shadow": shadow})
+
+    def _build_model(self) -> torch.nn.Module:
+        model = build_model(self.config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(self.device)
+        return accelerate(model, self.device, self.config.train.accel)  # the speed layer, unless train.accel is off
+
+    def whole_model(self) -> torch.nn.Module | None:
+        """The model with its whole weights on rank 0 (None on the others). Under FSDP a collective
+        that every process calls: the shards are gathered into rank 0's copy."""
+        if not self.sharded:
+            return self.model if self.workers.main else None
+        weights = gathered(self.model.state_dict())
+        if not self.workers.main:
+            return None
+        self.replica.load_state_dict(weights)
+        return self.replica
 
     def _load_data(self, resume: bool, notify: Callback) -> None:
         data = self.config.data
@@ -119,20 +147,23 @@ class _Setup:
         if not resume and self.workers.main:  # once the data has loaded: a start that fails on it leaves nothing
             save_run_files(self.run_dir, self.config, self.vocab)
 
-    def _restore(self) -> dict:
+    def _last_checkpoint(self) -> Path:
         checkpoints = step_checkpoints(self.run_dir)
         if not checkpoints:
             raise CheckpointError(f"{self.run_dir}: no checkpoint to resume from; start a new run instead")
-        saved = load_trainer_state(checkpoints[-1])
-        load_weights(self.model, checkpoints[-1] / WEIGHTS)
+        return checkpoints[-1]
+
+    def _restore(self, checkpoint: Path) -> dict:
+        """The trainer state of ``checkpoint`` (whose weights are loaded already)."""
+        saved = load_trainer_state(checkpoint)
         try:
-            self.optimizer.load_state_dict(saved["optimizer"])
+            load_optimizer_state(self.optimizer, saved["optimizer"])
             if self.scaler.is_enabled() and "scaler" in saved:
                 self.scaler.load_state_dict(saved["scaler"])
             self.state = TrainState(**saved["state"])
             set_rng_state(saved["rng"])
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # what torch raises for a state that does not fit
-            raise CheckpointError(f"{checkpoints[-1]}: its trainer state does not fit this run ({first_line(exc)}); "
+            raise CheckpointError(f"{checkpoint}: its trainer state does not fit this run ({first_line(exc)}); "
                                   "resume from an earlier checkpoint by deleting this one") from None
         if self.workers.main:  # what was logged after that checkpoint is logged again as training repeats it
             metrics = self.run_dir / METRICS
@@ -160,7 +191,6 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     if state.processes != workers.size:  # resumed by another number of processes: same place in the epoch
         state.batch_in_epoch = math.ceil(state.batch_in_epoch * state.processes / workers.size)
         state.processes = workers.size
-    loss_fn = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
     amp = autocast(device, cfg.precision)
     slow = slow_precision(device, cfg.precision)
     if slow:
@@ -172,9 +202,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
-    model.train()
-    gradients = GradientSync(workers, model.parameters())
-    with signals.between_steps(), closing(gradients):
+    trainer = setup.trainer.train()
+    with signals.between_steps():
         while stop_reason is None:
             batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, workers)
             while state.batch_in_epoch < len(batches) and stop_reason is None:
@@ -194,13 +223,13 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                     torch.manual_seed(cfg.seed + 1_000_003 * workers.rank + state.step)
                 nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
                 for i, batch in enumerate(group):
-                    with amp:  # forward + loss
-                        loss, nll = loss_fn(model, batch.to(device), cfg.label_smoothing, cfg.rdrop)
-                    if i == len(group) - 1:
-                        gradients.arm()  # sum over the processes as the last backward finishes gradients
-                    scaler.scale(loss / group_tokens).backward()  # backward
+                    # gradients are synced across processes in the last micro-batch's backward only
+                    with workers.together(), gradient_sync(trainer, last=i == len(group) - 1):
+                        with amp:  # forward + loss
+                            loss, nll = trainer(batch.to(device))
+                        # DDP and FSDP average over processes; the loss is normalised by all their tokens
+                        scaler.scale(loss * (workers.size / group_tokens)).backward()  # backward
                     nll_sum += nll
-                gradients.finish()
                 scaler.unscale_(optimizer)
                 if cfg.clip_grad_norm:  # clip
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
@@ -265,13 +294,14 @@ def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) ->
             "epoch": setup.state.epoch}
 
 
-def _check_finite(model: torch.nn.Module, step: int, loss: float | None = None) -> None:
+def _check_finite(model: torch.nn.Module, step: int, workers: Workers, loss: float | None = None) -> None:
     """Stop a run whose weights have become inf or NaN before it logs on or saves them over good
-    checkpoints. (A single inf or NaN loss alone is not divergence: with fp16 the gradient scaler skips
-    that step.) Summing the weights finds any inf or NaN among them (inf - inf is NaN), at the cost of
-    one read: 4 ms for the base model on a 2-core CPU, against 78 ms for isfinite() on each weight."""
-    total = torch.stack([p.detach().sum() for p in model.parameters()]).sum()
-    if math.isfinite(float(total)):
+    checkpoints; every process decides the same (FSDP: each holds a part of the weights). (A single inf
+    or NaN loss alone is not divergence: with fp16 the gradient scaler skips that step.) Summing the
+    weights finds any inf or NaN among them (inf - inf is NaN), in one read of them, far faster than
+    isfinite() on each weight (benchmarks/README.md)."""
+    total, = workers.sum(float(torch.stack([local(p).detach().sum() for p in model.parameters()]).sum()))
+    if math.isfinite(total):
         return
     logged = f" (loss {loss:.4g} over the last steps)" if loss is not None else ""
     raise DivergedError(f"training diverged at step {step}: the weights are no longer finite{logged}; the "
@@ -347,22 +377,23 @@ def _log(notify: Callback, run_dir: Path, state: TrainState, window: dict, lr: f
         append_jsonl(run_dir / METRICS, {"split": "train", **record})
     notify("step", record)
     window.update(loss=0.0, tokens=0, start=now)
-    _check_finite(model, state.step, loss)
+    _check_finite(model, state.step, workers, loss)
 
 
 def _evaluate(setup: _Setup, state: TrainState, notify: Callback) -> dict[str, Any]:
     """Validation loss (and BLEU when configured), on rank 0; track the best weights and early stopping."""
     cfg, main = setup.config.train, setup.workers.main
-    _check_finite(setup.model, state.step)  # NaN weights would be the first run's "best"
+    _check_finite(setup.model, state.step, setup.workers)  # NaN weights would be the first run's "best"
     notify("evaluating", {"step": state.step})
-    record = setup.workers.from_main(_validate(setup, state.step) if main else None)
+    model = setup.whole_model()
+    record = setup.workers.from_main(_validate(setup, model, state.step) if main else None)
     metric = -record["bleu"] if cfg.best_metric == "bleu" else record["loss"]
     improved = state.best is None or metric < state.best
     if improved:
         state.best, state.best_step, state.evals_without_improvement = metric, state.step, 0
         if main:
             with _writing(setup.run_dir):
-                save_weights(setup.model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
+                save_weights(model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
     else:
         state.evals_without_improvement += 1
     record["best"] = improved
@@ -373,44 +404,49 @@ def _evaluate(setup: _Setup, state: TrainState, notify: Callback) -> dict[str, A
     return record
 
 
-def _validate(setup: _Setup, step: int) -> dict[str, Any]:
+def _validate(setup: _Setup, model: torch.nn.Module, step: int) -> dict[str, Any]:
     from tformer_cli.evaluation import validation_bleu
 
     cfg = setup.config.train
     start = time.perf_counter()
-    result = evaluate_loss(setup.model, setup.valid_data, cfg.max_tokens, setup.device)
+    result = evaluate_loss(model, setup.valid_data, cfg.max_tokens, setup.device)
     record: dict[str, Any] = {"step": step, "loss": result.loss, "ppl": result.perplexity}
     if cfg.eval_bleu or cfg.best_metric == "bleu":
-        record.update(validation_bleu(setup.model, setup.vocab, setup.valid_data, setup.config.decode,
+        record.update(validation_bleu(model, setup.vocab, setup.valid_data, setup.config.decode,
                                       cfg.eval_max_sentences, setup.device))
     record["seconds"] = time.perf_counter() - start
     return record
 
 
 def _checkpoint(setup: _Setup, notify: Callback) -> None:
-    _check_finite(setup.model, setup.state.step)  # on every process, so that all of them stop together
-    if not setup.workers.main:
-        return
+    """Weights and trainer state, whole tensors whatever the number of processes (so that a run resumes
+    on any number), written by rank 0. Under FSDP every process takes part in gathering them."""
     state = setup.state
-    trainer_state = {"optimizer": setup.optimizer.state_dict(), "state": asdict(state), "rng": rng_state()}
+    _check_finite(setup.model, state.step, setup.workers)  # on every process, so that all of them stop together
+    trainer_state = {"optimizer": optimizer_state(setup.optimizer), "state": asdict(state), "rng": rng_state()}
     if setup.ema is not None:
-        trainer_state["ema"] = setup.ema.state_dict()
+        trainer_state["ema"] = gathered(setup.ema.state_dict())
     if setup.scaler.is_enabled():
         trainer_state["scaler"] = setup.scaler.state_dict()
+    model = setup.whole_model()
     with _writing(setup.run_dir):
-        path = save_checkpoint(setup.run_dir, state.step, setup.model, trainer_state, setup.config.train.keep_last)
-        if setup.config_unsaved:  # the config that the checkpoint continues under
-            save_run_files(setup.run_dir, setup.config)
-            setup.config_unsaved = False
-        setup.saved_step = state.step
+        if setup.workers.main:
+            path = save_checkpoint(setup.run_dir, state.step, model, trainer_state, setup.config.train.keep_last)
+            if setup.config_unsaved:  # the config that the checkpoint continues under
+                save_run_files(setup.run_dir, setup.config)
+                setup.config_unsaved = False
+            if not setup.validates:  # no validation: the latest weights are the run's weights
+                save_weights(model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
         if setup.ema is not None:  # the average as a checkpoint of its own, for eval and generate
-            (setup.run_dir / CHECKPOINTS / "ema").mkdir(exist_ok=True)
             with setup.ema.applied():
-                save_weights(setup.model, setup.run_dir / CHECKPOINTS / "ema" / WEIGHTS,
-                             {"step": str(state.step), "ema_decay": str(setup.ema.decay)})
-        if not setup.validates:  # no validation: the latest weights are the run's weights
-            save_weights(setup.model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
-    notify("checkpoint", {"step": state.step, "path": str(path)})
+                average = setup.whole_model()
+                if setup.workers.main:
+                    (setup.run_dir / CHECKPOINTS / "ema").mkdir(exist_ok=True)
+                    save_weights(average, setup.run_dir / CHECKPOINTS / "ema" / WEIGHTS,
+                                 {"step": str(state.step), "ema_decay": str(setup.ema.decay)})
+    setup.saved_step = state.step
+    if setup.workers.main:
+        notify("checkpoint", {"step": state.step, "path": str(path)})
 
 
 @contextmanager
