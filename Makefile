@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test demo multi30k bench readme-images clean
+.PHONY: help install test test-slow demo multi30k bench readme-images clean
 
 help: ## List the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}'
@@ -23,6 +23,9 @@ install: $(STAMP) ## Create .venv and install tformer with test tools (TORCH=...
 
 test: $(STAMP) ## Run the test suite
 	$(BIN)/pytest
+
+test-slow: $(STAMP) ## Run the slow tests: several processes, kills (a few minutes)
+	$(BIN)/pytest -m slow
 
 demo: $(STAMP) ## Train the bundled number-words demo (a few minutes on 2 cores), evaluate it, translate
 	$(BIN)/tformer train configs/demo.yaml --overwrite

@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SETUPS = {  # name: (processes, extra overrides)
     "1 process": (1, []),
-    "2 processes, ddp": (2, []),  # the default engine (before train.parallel: the hand-written sync)
-    "2 processes, fsdp": (2, ["train.parallel=fsdp"]),
+    "2 processes ddp": (2, []),  # the default engine (before train.parallel: the hand-written sync)
+    "2 processes fsdp": (2, ["train.parallel=fsdp"]),
 }
 
 
@@ -35,8 +35,8 @@ def run_once(code: Path, processes: int, overrides: list[str], steps: int, folde
             *overrides]
     command = [*launcher, "-m", "tformer_cli", "train", str(ROOT / "configs" / "demo.yaml"), "--output-dir",
                str(folder), "--quiet", *[arg for s in sets for arg in ("--set", s)]]
-    env = {**os.environ, "PYTHONPATH": str(code)}
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(code)}  # and run there: `python -m` puts the current folder first
+    result = subprocess.run(command, cwd=code, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         print(f"  {code}: {' '.join(overrides) or 'plain'} failed: {result.stderr.strip().splitlines()[-1:]}")
         return None

@@ -309,14 +309,16 @@ def resegment(split: EncodedSplit, vocab: Vocabulary, cfg: DataConfig) -> Encode
 
 
 def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
-                 notice: Callable[[str], None] = lambda message: None) -> EncodedSplit:
+                 notice: Callable[[str], None] = lambda message: None, texts: bool = True) -> EncodedSplit:
     """``load_pairs`` + ``encode_split``, cached on disk by data and tokenizer fingerprint. An entry
-    that cannot be read back exactly is rebuilt, after one line to ``notice``."""
+    that cannot be read back exactly is rebuilt, after one line to ``notice``. ``texts`` False leaves
+    out the raw texts (``pairs`` empty), which training needs only for BPE-dropout: WMT's 4.5 M pairs
+    would be ~2 GB of Python strings in every process."""
     key = data_fingerprint(cfg, split, vocab.fingerprint(), CACHE_FORMAT)
     path = cache_dir() / "encoded" / f"{split}-{key}.safetensors"
     if path.is_file():
         try:
-            return read_encoded(path)
+            return read_encoded(path, texts)
         except (OSError, ValueError) as exc:
             notice(f"rebuilding the cached encoding {path}: {exc}")
     encoded = encode_split(load_pairs(cfg, split), vocab, cfg)
@@ -325,6 +327,8 @@ def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
         write_encoded(encoded, path)
     except CheckpointError as exc:  # a cache that cannot be written costs time next run, nothing else
         notice(str(exc))
+    if not texts:
+        encoded.pairs = []
     return encoded
 
 
@@ -348,9 +352,9 @@ def write_encoded(split: EncodedSplit, path: Path) -> None:
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
 
 
-def read_encoded(path: Path) -> EncodedSplit:
-    """An encoded split from the cache. Raises ValueError (or OSError) for any entry not written by
-    ``write_encoded`` in this format, intact."""
+def read_encoded(path: Path, texts: bool = True) -> EncodedSplit:
+    """An encoded split from the cache (without its texts unless ``texts``). Raises ValueError (or
+    OSError) for any entry not written by ``write_encoded`` in this format, intact."""
     from safetensors import safe_open
 
     try:
@@ -371,13 +375,15 @@ def read_encoded(path: Path) -> EncodedSplit:
                 or ends.numel() == 0 or ends[0] != 0 or bool((ends.diff() < 0).any())
                 or ends[-1] > tensors[values].numel()):
             raise ValueError(f"its {values} are malformed")
-    text_bytes, bounds = tensors["text_bytes"].numpy().tobytes(), tensors["text_offsets"].tolist()
-    texts = [text_bytes[a:b].decode("utf-8", "surrogatepass") for a, b in zip(bounds, bounds[1:])]
     split = EncodedSplit(Sequences(tensors["src_ids"], tensors["src_offsets"]),
-                         Sequences(tensors["tgt_ids"], tensors["tgt_offsets"]), list(zip(texts[::2], texts[1::2])),
+                         Sequences(tensors["tgt_ids"], tensors["tgt_offsets"]), [],
                          **{name: int(metadata[name]) for name in _ENCODED_COUNTS})
-    if len(split.tgt) != len(split) or len(split.pairs) != len(split):
+    if len(split.tgt) != len(split) or tensors["text_offsets"].numel() != 2 * len(split) + 1:
         raise ValueError("its parts differ in length")
+    if texts:
+        text_bytes, bounds = tensors["text_bytes"].numpy().tobytes(), tensors["text_offsets"].tolist()
+        decoded = [text_bytes[a:b].decode("utf-8", "surrogatepass") for a, b in zip(bounds, bounds[1:])]
+        split.pairs = list(zip(decoded[::2], decoded[1::2]))
     return split
 
 

@@ -49,6 +49,7 @@ class Workers:
 
     rank: int = 0
     size: int = 1
+    local_rank: int = 0  # among the processes of this node
 
     @property
     def main(self) -> bool:
@@ -86,6 +87,8 @@ class Workers:
             return
         try:
             yield
+        except torch.OutOfMemoryError:  # this process's own failure: the CLI says which setting to lower
+            raise
         except RuntimeError as exc:  # gloo and NCCL raise RuntimeError and its subclasses
             raise TformerError(f"process {self.rank}: another training process stopped ({type(exc).__name__}); "
                                "its own error says why") from exc
@@ -106,9 +109,10 @@ def distribute(objective: nn.Module, layers: list[nn.Module], workers: Workers, 
         return fully_shard(objective)
     from torch.nn.parallel import DistributedDataParallel
 
-    # the model's buffers are constants (positions, ALiBi slopes): no need to broadcast them every step
+    # the model's buffers are constants (positions, ALiBi slopes): no need to broadcast them every step;
+    # gradients live in DDP's buckets, saving a copy of them each way
     return DistributedDataParallel(objective, device_ids=[torch.cuda.current_device()] if device.type == "cuda" else None,
-                                   broadcast_buffers=False)
+                                   forward_sync_buffers=False, gradient_as_bucket_view=True)
 
 
 def gradient_sync(trainer: nn.Module, last: bool):
@@ -174,7 +178,7 @@ def join(device: torch.device) -> Workers:
             dist.init_process_group(backend, device_id=None if shared else gpu, timeout=COLLECTIVE_TIMEOUT)
         else:
             dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    return Workers(dist.get_rank(), size)
+    return Workers(dist.get_rank(), size, int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def leave() -> None:

@@ -72,10 +72,12 @@ class _Setup:
     def __init__(self, config: Config, run_dir: Path, resume: bool, device: torch.device, notify: Callback,
                  workers: Workers) -> None:
         self.config, self.run_dir, self.device, self.workers = config, run_dir, device, workers
-        if not workers.main:
-            workers.barrier()  # rank 0 first: it learns the vocabulary and fills the caches the others read
-        self._load_data(resume, notify)
-        if workers.main:
+        # in turns: rank 0 learns the vocabulary, fills the cache and writes the run folder; then the first
+        # process of each other node (which fills that node's cache, if it has its own); then the rest
+        turn = 0 if workers.main else 1 if workers.local_rank == 0 else 2
+        for t in range(3 if workers.size > 1 else 1):
+            if t == turn:
+                self._load_data(resume, notify)
             workers.barrier()
         cfg = config.train
         seed_everything(cfg.seed)  # the same initial weights in every process
@@ -129,15 +131,14 @@ class _Setup:
         def warn(message: str) -> None:
             notify("warning", {"message": message})
 
-        if resume:
+        if resume or not self.workers.main:  # the other processes take rank 0's, from the run folder
             self.vocab = Vocabulary.load(self.run_dir)
         else:
             notify("setup", {"message": "learning the BPE vocabulary"})
             self.vocab = train_or_load_vocabulary(data, warn)
         notify("setup", {"message": "tokenising"})
-        self.train_data = load_encoded(data, data.train_split, self.vocab, warn)
-        if not data.bpe_dropout:  # its texts serve only to segment it afresh: 580,000 pairs' are 185 MiB
-            self.train_data.pairs = []
+        # its texts serve only to segment it afresh each epoch
+        self.train_data = load_encoded(data, data.train_split, self.vocab, warn, texts=bool(data.bpe_dropout))
         if len(self.train_data) == 0:
             raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
                             "raise data.max_length or set data.long_pairs: truncate")
