@@ -33,7 +33,7 @@ data:
   data_files:
     train: {corpus / 'train.parquet'}
     validation: {corpus / 'validation.jsonl'}
-    test: {corpus / 'test2016.jsonl'}
+    test: {corpus / 'test.jsonl'}
 train:
   device: cpu
   precision: fp32

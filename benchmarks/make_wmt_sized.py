@@ -40,7 +40,7 @@ def vary(source: str, target: str, rng: random.Random) -> tuple[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("multi30k", type=Path, help="folder with train.jsonl, validation.jsonl, test2016.jsonl")
+    parser.add_argument("multi30k", type=Path, help="folder with train.jsonl, validation.jsonl, test.jsonl")
     parser.add_argument("output", type=Path)
     parser.add_argument("--pairs", type=int, default=4_500_000)
     parser.add_argument("--source", default="en")
@@ -66,7 +66,7 @@ def main() -> None:
             writer.write_table(pa.table({args.source: sources, args.target: targets}, schema=schema))
             written += len(sources)
             print(f"{written:,} pairs", flush=True)
-    for split in ("validation", "test2016"):
+    for split in ("validation", "test"):
         shutil.copy(args.multi30k / f"{split}.jsonl", args.output / f"{split}.jsonl")
     print(f"wrote {args.output} ({sum(p.stat().st_size for p in args.output.iterdir()) / 2**20:.0f} MiB)")
 
