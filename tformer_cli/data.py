@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tformer_cli.config import DataConfig
 from tformer_cli.errors import CheckpointError, DataError, first_line
 from tformer_cli.files import replacing
-from tformer_cli.sequences import Sequences
+from tformer_cli.sequences import Sequences, TextPairs
 from tformer_cli.tokenizer import PAD_ID, RECIPE, Vocabulary
 
 # Encoded splits cached in an earlier layout are not read (3: safetensors, no pickle)
@@ -59,7 +59,18 @@ def absolute_paths(cfg: DataConfig) -> DataConfig:
 
 
 def load_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
-    """The (source, target) texts of one split, trimmed to ``max_samples``.
+    """The (source, target) texts of one split, trimmed to ``max_samples``, as Python strings (for the
+    splits that are evaluated; ``read_pairs`` reads a training split of millions a slice at a time).
+
+    Raises:
+        DataError: the dataset, split, file or field cannot be found or read.
+    """
+    return list(read_pairs(cfg, split))
+
+
+def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
+    """The (source, target) texts of one split, trimmed to ``max_samples``, read from the split's Arrow
+    table (memory-mapped by ``datasets``) a slice at a time.
 
     Raises:
         DataError: the dataset, split, file or field cannot be found or read.
@@ -71,18 +82,49 @@ def load_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
         files = cfg.data_files[split]
         files = [files] if isinstance(files, str) else list(files)
         fmt = cfg.format if cfg.format != "auto" else _format_of(files[0])
-    source = ", ".join(files) if cfg.data_files else cfg.dataset
+    where = f"{', '.join(files) if cfg.data_files else cfg.dataset}: split '{split}'"
     try:
         if not cfg.data_files:
-            pairs = _columns(_load_named(cfg.dataset, cfg.subset, split), cfg)
+            pairs = _columns(_load_named(cfg.dataset, cfg.subset, split), cfg, where)
         else:
-            pairs = _text_pairs(files) if fmt == "text" else _columns(_load_files(fmt, files), cfg)
-    except UnicodeDecodeError as exc:  # pyarrow reads the bytes as they are and decodes them late
-        raise DataError(f"{source}: split '{split}' is not UTF-8 text (a byte {exc.object[exc.start:exc.start + 1]!r});"
-                        " convert the data to UTF-8, e.g. iconv -t UTF-8") from None
-    if not pairs:
+            pairs = _text_pairs(files, where) if fmt == "text" else _columns(_load_files(fmt, files), cfg, where)
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(where, exc) from None
+    if not len(pairs):
         raise DataError(f"split '{split}' of {cfg.data_files or cfg.dataset} is empty; check the files or split name")
-    return pairs[: cfg.max_samples] if cfg.max_samples else pairs
+    if cfg.max_samples:
+        pairs.size = min(pairs.size, cfg.max_samples)
+    return pairs
+
+
+class ArrowPairs:
+    """A split's (source, target) texts, read from Arrow tables (which ``datasets`` memory-maps) a slice
+    at a time, so that a split of millions of pairs is never all Python strings at once: a list of
+    pairs to ``len``, slicing (``pairs[a:b]``) and iteration."""
+
+    def __init__(self, sources, targets, source: str, target: str, where: str) -> None:
+        self.tables, self.columns, self.where = (sources, targets), (source, target), where
+        self.size = len(sources)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: slice) -> list[tuple[str, str]]:
+        start, stop, _ = index.indices(self.size)
+        try:  # pyarrow keeps the bytes as they are and decodes them here
+            sources, targets = (table[start:stop][column] for table, column in zip(self.tables, self.columns))
+        except UnicodeDecodeError as exc:
+            raise _not_utf8(self.where, exc) from None
+        return [("" if s is None else str(s), "" if t is None else str(t)) for s, t in zip(sources, targets)]
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        for start in range(0, self.size, ENCODE_CHUNK):
+            yield from self[start:start + ENCODE_CHUNK]
+
+
+def _not_utf8(where: str, exc: UnicodeDecodeError) -> DataError:
+    return DataError(f"{where} is not UTF-8 text (a byte {exc.object[exc.start:exc.start + 1]!r}); convert the "
+                     "data to UTF-8, e.g. iconv -t UTF-8")
 
 
 def _format_of(path: str) -> str:
@@ -126,14 +168,14 @@ def _root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def _text_pairs(files: list[str]) -> list[tuple[str, str]]:
+def _text_pairs(files: list[str], where: str) -> ArrowPairs:
     if len(files) != 2:
         raise DataError(f"plain-text data needs two parallel files [source, target] per split, got {files}")
-    source, target = (list(_load_files("text", [f])["text"]) for f in files)
+    source, target = (_load_files("text", [f]) for f in files)
     if len(source) != len(target):
         raise DataError(f"parallel files differ in length: {files[0]} has {len(source)} lines, "
                         f"{files[1]} has {len(target)}")
-    return list(zip(source, target))
+    return ArrowPairs(source, target, "text", "text", where)
 
 
 def _load_named(name: str, subset: str | None, split: str):
@@ -219,7 +261,7 @@ def _hub_offline():
         datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
-def _columns(dataset, cfg: DataConfig) -> list[tuple[str, str]]:
+def _columns(dataset, cfg: DataConfig, where: str) -> ArrowPairs:
     flat = dataset.flatten()
     for key, name in (("data.source", cfg.source), ("data.target", cfg.target)):
         if name not in flat.column_names:
@@ -230,9 +272,8 @@ def _columns(dataset, cfg: DataConfig) -> list[tuple[str, str]]:
         if getattr(feature, "dtype", None) not in ("string", "large_string", "null"):
             raise DataError(f"{key}: field '{name}' holds {getattr(feature, 'dtype', None) or type(feature).__name__}"
                             ", not text; point it at a text field")
-    columns = flat.select_columns([cfg.source, cfg.target]).to_dict()
-    return [("" if s is None else str(s), "" if t is None else str(t))
-            for s, t in zip(columns[cfg.source], columns[cfg.target])]
+    columns = flat.select_columns([cfg.source, cfg.target])
+    return ArrowPairs(columns, columns, cfg.source, cfg.target, where)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,13 +288,15 @@ class EncodedSplit:
 
     src: Sequences
     tgt: Sequences
-    pairs: list[tuple[str, str]]
+    pairs: TextPairs
     dropped_empty: int = 0
     dropped_long: int = 0
     truncated: int = 0
 
     def __post_init__(self) -> None:
         self.src, self.tgt = (s if isinstance(s, Sequences) else Sequences.from_lists(s) for s in (self.src, self.tgt))
+        if not isinstance(self.pairs, TextPairs):
+            self.pairs = TextPairs.from_pairs(self.pairs)
 
     def __len__(self) -> int:
         return len(self.src)
@@ -276,18 +319,20 @@ def _stat(path: Path) -> Any:
     return (str(path), path.stat().st_size, path.stat().st_mtime_ns) if path.exists() else str(path)
 
 
-def encode_split(pairs: list[tuple[str, str]], vocab: Vocabulary, cfg: DataConfig) -> EncodedSplit:
-    """Tokenise both sides in batches; drop empty pairs and drop or truncate over-long ones."""
-    kept = [(s, t) for s, t in pairs if s.strip() and t.strip()]
-    out = EncodedSplit([], [], [], dropped_empty=len(pairs) - len(kept))
+def encode_split(pairs: Sequence[tuple[str, str]], vocab: Vocabulary, cfg: DataConfig) -> EncodedSplit:
+    """Tokenise both sides a chunk at a time (``pairs``: a list, ``ArrowPairs`` or ``TextPairs``);
+    drop empty pairs and drop or truncate over-long ones."""
+    out = EncodedSplit([], [], [])
     limit = cfg.max_length
-    src_parts, tgt_parts = [], []
-    for start in range(0, len(kept), ENCODE_CHUNK):
-        chunk = kept[start:start + ENCODE_CHUNK]
-        src_ids, tgt_ids = [], []
-        sources = vocab.encode_sources([s for s, _ in chunk])
-        targets = vocab.encode_targets([t for _, t in chunk])
-        for s, t, pair in zip(sources, targets, chunk):
+    src_parts, tgt_parts, text_parts = [], [], []
+    for start in range(0, len(pairs), ENCODE_CHUNK):
+        chunk = pairs[start:start + ENCODE_CHUNK]
+        kept = [(s, t) for s, t in chunk if s.strip() and t.strip()]
+        out.dropped_empty += len(chunk) - len(kept)
+        src_ids, tgt_ids, texts = [], [], []
+        sources = vocab.encode_sources([s for s, _ in kept])
+        targets = vocab.encode_targets([t for _, t in kept])
+        for s, t, pair in zip(sources, targets, kept):
             if len(s) > limit or len(t) > limit:
                 if cfg.long_pairs == "drop":
                     out.dropped_long += 1
@@ -296,10 +341,11 @@ def encode_split(pairs: list[tuple[str, str]], vocab: Vocabulary, cfg: DataConfi
                 out.truncated += 1
             src_ids.append(s)
             tgt_ids.append(t)
-            out.pairs.append(pair)
+            texts.append(pair)
         src_parts.append(Sequences.from_lists(src_ids))
         tgt_parts.append(Sequences.from_lists(tgt_ids))
-    out.src, out.tgt = Sequences.concat(src_parts), Sequences.concat(tgt_parts)
+        text_parts.append(TextPairs.from_pairs(texts))
+    out.src, out.tgt, out.pairs = Sequences.concat(src_parts), Sequences.concat(tgt_parts), TextPairs.concat(text_parts)
     return out
 
 
@@ -309,26 +355,22 @@ def resegment(split: EncodedSplit, vocab: Vocabulary, cfg: DataConfig) -> Encode
 
 
 def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
-                 notice: Callable[[str], None] = lambda message: None, texts: bool = True) -> EncodedSplit:
-    """``load_pairs`` + ``encode_split``, cached on disk by data and tokenizer fingerprint. An entry
-    that cannot be read back exactly is rebuilt, after one line to ``notice``. ``texts`` False leaves
-    out the raw texts (``pairs`` empty), which training needs only for BPE-dropout: WMT's 4.5 M pairs
-    would be ~2 GB of Python strings in every process."""
+                 notice: Callable[[str], None] = lambda message: None) -> EncodedSplit:
+    """``read_pairs`` + ``encode_split``, cached on disk by data and tokenizer fingerprint. An entry
+    that cannot be read back exactly is rebuilt, after one line to ``notice``."""
     key = data_fingerprint(cfg, split, vocab.fingerprint(), CACHE_FORMAT)
     path = cache_dir() / "encoded" / f"{split}-{key}.safetensors"
     if path.is_file():
         try:
-            return read_encoded(path, texts)
+            return read_encoded(path)
         except (OSError, ValueError) as exc:
             notice(f"rebuilding the cached encoding {path}: {exc}")
-    encoded = encode_split(load_pairs(cfg, split), vocab, cfg)
+    encoded = encode_split(read_pairs(cfg, split), vocab, cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         write_encoded(encoded, path)
     except CheckpointError as exc:  # a cache that cannot be written costs time next run, nothing else
         notice(str(exc))
-    if not texts:
-        encoded.pairs = []
     return encoded
 
 
@@ -340,21 +382,19 @@ _ENCODED_DTYPES = {"src_ids": torch.int32, "tgt_ids": torch.int32, "text_bytes":
 
 
 def write_encoded(split: EncodedSplit, path: Path) -> None:
-    texts = [text.encode("utf-8", "surrogatepass") for pair in split.pairs for text in pair]
-    lengths = torch.tensor([0] + [len(t) for t in texts], dtype=torch.int64)
+    text_bytes = split.pairs.data if split.pairs.data.numel() else torch.zeros(1, dtype=torch.uint8)  # none: 1 byte
     tensors = {"src_ids": split.src.ids, "src_offsets": split.src.offsets,
                "tgt_ids": split.tgt.ids, "tgt_offsets": split.tgt.offsets,
-               "text_bytes": torch.frombuffer(bytearray(b"".join(texts)) or bytearray(1), dtype=torch.uint8),
-               "text_offsets": lengths.cumsum(0)}
+               "text_bytes": text_bytes, "text_offsets": split.pairs.offsets}
     metadata = {"format": str(CACHE_FORMAT), "sha256": _checksum(tensors),
                 **{name: str(getattr(split, name)) for name in _ENCODED_COUNTS}}
     with replacing(path, shared=True) as tmp:
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
 
 
-def read_encoded(path: Path, texts: bool = True) -> EncodedSplit:
-    """An encoded split from the cache (without its texts unless ``texts``). Raises ValueError (or
-    OSError) for any entry not written by ``write_encoded`` in this format, intact."""
+def read_encoded(path: Path) -> EncodedSplit:
+    """An encoded split from the cache. Raises ValueError (or OSError) for any entry not written by
+    ``write_encoded`` in this format, intact."""
     from safetensors import safe_open
 
     try:
@@ -376,14 +416,11 @@ def read_encoded(path: Path, texts: bool = True) -> EncodedSplit:
                 or ends[-1] > tensors[values].numel()):
             raise ValueError(f"its {values} are malformed")
     split = EncodedSplit(Sequences(tensors["src_ids"], tensors["src_offsets"]),
-                         Sequences(tensors["tgt_ids"], tensors["tgt_offsets"]), [],
+                         Sequences(tensors["tgt_ids"], tensors["tgt_offsets"]),
+                         TextPairs(tensors["text_bytes"], tensors["text_offsets"]),
                          **{name: int(metadata[name]) for name in _ENCODED_COUNTS})
-    if len(split.tgt) != len(split) or tensors["text_offsets"].numel() != 2 * len(split) + 1:
+    if len(split.tgt) != len(split) or len(split.pairs) != len(split) or split.pairs.offsets.numel() % 2 == 0:
         raise ValueError("its parts differ in length")
-    if texts:
-        text_bytes, bounds = tensors["text_bytes"].numpy().tobytes(), tensors["text_offsets"].tolist()
-        decoded = [text_bytes[a:b].decode("utf-8", "surrogatepass") for a, b in zip(bounds, bounds[1:])]
-        split.pairs = list(zip(decoded[::2], decoded[1::2]))
     return split
 
 
@@ -403,7 +440,7 @@ def train_or_load_vocabulary(cfg: DataConfig, notice: Callable[[str], None] = la
             return Vocabulary.load(folder)
         except CheckpointError as exc:
             notice(f"relearning the cached vocabulary: {exc}")
-    pairs = load_pairs(cfg, cfg.train_split)
+    pairs = read_pairs(cfg, cfg.train_split)
     vocab = Vocabulary.train(pairs, cfg.vocab_size, cfg.joint_vocab, cfg.min_frequency, cfg.lowercase)
     folder.mkdir(parents=True, exist_ok=True)
     vocab.save(folder)

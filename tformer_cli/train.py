@@ -137,8 +137,7 @@ class _Setup:
             notify("setup", {"message": "learning the BPE vocabulary"})
             self.vocab = train_or_load_vocabulary(data, warn)
         notify("setup", {"message": "tokenising"})
-        # its texts serve only to segment it afresh each epoch
-        self.train_data = load_encoded(data, data.train_split, self.vocab, warn, texts=bool(data.bpe_dropout))
+        self.train_data = load_encoded(data, data.train_split, self.vocab, warn)
         if len(self.train_data) == 0:
             raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
                             "raise data.max_length or set data.long_pairs: truncate")
