@@ -369,9 +369,11 @@ def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         write_encoded(encoded, path)
-    except CheckpointError as exc:  # a cache that cannot be written costs time next run, nothing else
+        # read back: the cache is memory-mapped, so the processes of a node share one copy of the split
+        return read_encoded(path)
+    except (CheckpointError, OSError, ValueError) as exc:  # no cache costs time next run, nothing else
         notice(str(exc))
-    return encoded
+        return encoded
 
 
 # A cache entry is data, never code: token ids and texts as safetensors tensors, counts in its metadata,
