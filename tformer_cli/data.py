@@ -430,7 +430,7 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in _ENCODED_TENSORS:
         digest.update(name.encode())
-        digest.update(tensors[name].contiguous().numpy().tobytes())
+        digest.update(tensors[name].contiguous().numpy())  # the buffer itself, not a copy of it
     return digest.hexdigest()
 
 
