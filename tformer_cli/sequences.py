@@ -32,11 +32,7 @@ class Sequences:
 
     @classmethod
     def concat(cls, parts: list["Sequences"]) -> "Sequences":
-        if not parts:
-            return cls.from_lists([])
-        starts = itertools.accumulate((p.ids.numel() for p in parts[:-1]), initial=0)
-        offsets = [parts[0].offsets[:1]] + [p.offsets[1:] + start for p, start in zip(parts, starts)]
-        return cls(torch.cat([p.ids for p in parts]), torch.cat(offsets))
+        return cls(*_concat([(p.ids, p.offsets) for p in parts])) if parts else cls.from_lists([])
 
     def __len__(self) -> int:
         return self.offsets.numel() - 1
@@ -85,11 +81,7 @@ class TextPairs:
 
     @classmethod
     def concat(cls, parts: list["TextPairs"]) -> "TextPairs":
-        if not parts:
-            return cls.from_pairs([])
-        starts = itertools.accumulate((p.data.numel() for p in parts[:-1]), initial=0)
-        offsets = [parts[0].offsets[:1]] + [p.offsets[1:] + start for p, start in zip(parts, starts)]
-        return cls(torch.cat([p.data for p in parts]), torch.cat(offsets))
+        return cls(*_concat([(p.data, p.offsets) for p in parts])) if parts else cls.from_pairs([])
 
     def __len__(self) -> int:
         return (self.offsets.numel() - 1) // 2
@@ -125,3 +117,10 @@ class TextPairs:
         ends = (bounds - base).tolist()
         texts = [raw[a:b].decode("utf-8", "surrogatepass") for a, b in zip(ends, ends[1:])]
         return list(zip(texts[::2], texts[1::2]))
+
+
+def _concat(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Flat (values, offsets) parts joined into one: each part's offsets shifted by the values before it."""
+    starts = itertools.accumulate((values.numel() for values, _ in parts[:-1]), initial=0)
+    offsets = [parts[0][1][:1]] + [offsets[1:] + start for (_, offsets), start in zip(parts, starts)]
+    return torch.cat([values for values, _ in parts]), torch.cat(offsets)
