@@ -246,7 +246,7 @@ def _argument_cases() -> list[Case]:
     gen, ins = ["generate", "{run}"], ["inspect-attention", "{run}"]
     flags = [
         (gen + ["seven", "--beam", "0"], "--beam-size 0: must be >= 1"), (gen + ["seven", "--nbest", "0"], "--nbest 0"),
-        (gen + ["seven", "--batch-size", "0"], "--batch-size 0"), (gen + ["seven", "--max-len", "0"], "--max-len 0"),
+        (gen + ["seven", "--batch-size", "0"], "--batch-size 0"), (gen + ["seven", "--max-new-tokens", "0"], "--max-new-tokens 0"),
         (gen + ["seven", "--top-p", "1.5"], "--top-p 1.5"), (gen + ["seven", "--top-k", "-1"], "--top-k -1"),
         (gen + ["seven", "--temperature", "-1"], "--temperature -1"),
         (gen + ["seven", "--sample", "--beam", "3"], "drop --beam-size"),

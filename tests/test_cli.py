@@ -37,7 +37,7 @@ def test_eval_reports_scores_and_writes_hypotheses(run_dir, tmp_path):
                                  "--output", str(out), "--json"])
     assert result.exit_code == 0, result.output
     scores = json.loads(result.stdout)
-    assert scores["sentences"] == 12 and scores["beam"] == 2
+    assert scores["sentences"] == 12 and scores["beam_size"] == 2
     assert {"bleu", "bleu_lowercase", "chrf", "exact_match", "loss", "perplexity", "sentences_per_s"} <= set(scores)
     assert len(out.read_text().splitlines()) == 12
     table = runner.invoke(app, ["eval", str(run_dir), "--max-samples", "5", "--beam", "1"])
@@ -128,7 +128,7 @@ def test_missing_run_folder_is_a_one_line_error(tmp_path):
 
 def test_out_of_range_decoding_flags_are_one_line_errors_naming_the_flag(run_dir):
     for flags, message in ((["--beam", "0"], "--beam-size 0: must be >= 1"),
-                           (["--max-len", "0"], "--max-len 0: must be >= 1"),
+                           (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
                            (["--sample", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
                            (["--sample", "--temperature", "-1"], "--temperature -1.0: must be >= 0"),
                            (["--length-penalty", "-0.5"], "--length-penalty -0.5: must be >= 0 (0: no length "

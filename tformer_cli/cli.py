@@ -219,7 +219,7 @@ def eval_command(
     hypotheses = result.pop("hypotheses")
     if output:
         output.write_text("".join(h + "\n" for h in hypotheses))
-    result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam=options.beam_size, precision=precision)
+    result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam_size=options.beam_size, precision=precision)
     print_json(result) if json_output else eval_table(result)
 
 
@@ -234,7 +234,8 @@ def generate(
     top_p: Annotated[Optional[float], typer.Option(help="Sample from the smallest set with mass p.")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible samples.")] = None,
     nbest: Annotated[int, typer.Option(help="Hypotheses per input (tab-separated in plain output).")] = 1,
-    max_len: Annotated[Optional[int], typer.Option(help="At most this many output tokens.")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(
+        help="At most this many output tokens (default: decode.max_len_a * source length + max_len_b).")] = None,
     batch_size: BatchOpt = None,
     length_penalty: AlphaOpt = None,
     device: DecodeDeviceOpt = None,
@@ -256,7 +257,7 @@ def generate(
     from tformer_cli.render import generation_lines, warn
     from tformer_cli.runtime import load_run, resolve_device
 
-    check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_len=max_len, temperature=temperature,
+    check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_k=top_k, top_p=top_p, length_penalty=length_penalty)
     check_mode(accel)
     if sample and beam_size is not None and beam_size > 1:
@@ -265,7 +266,7 @@ def generate(
     dev = resolve_device(device or "auto")
     amp = decoding_autocast(dev, precision)
     loaded = load_run(run, dev, accel)
-    limits = {"max_len_a": 0.0, "max_len_b": max_len} if max_len is not None else {}
+    limits = {"max_len_a": 0.0, "max_len_b": max_new_tokens} if max_new_tokens is not None else {}
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam_size, sample=sample,
                                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, nbest=nbest,
                                         length_penalty=length_penalty, **limits)

@@ -44,7 +44,7 @@ def check_decoding_flags(**flags) -> None:
     from tformer_cli.config import DECODE_LIMITS
 
     at_least_one = (lambda v: v >= 1, ">= 1")
-    limits = {**DECODE_LIMITS, "nbest": at_least_one, "max_len": at_least_one,
+    limits = {**DECODE_LIMITS, "nbest": at_least_one, "max_new_tokens": at_least_one,
               "max_samples": at_least_one}
     for name, value in flags.items():
         ok, expected = limits[name]

@@ -6,6 +6,7 @@ position only, and drops finished sentences from the batch (and from the cache).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +32,9 @@ class DecodeOptions:
 
     @classmethod
     def from_config(cls, decode: "DecodeConfig", **overrides) -> "DecodeOptions":
-        """The config's decode section, with the given (non-None) values taking precedence."""
-        values = dict(beam_size=decode.beam_size, temperature=decode.temperature, top_k=decode.top_k,
-                      top_p=decode.top_p, length_penalty=decode.length_penalty, max_len_a=decode.max_len_a,
-                      max_len_b=decode.max_len_b)
+        """The config's decode section (the settings both have), with the given (non-None) values
+        taking precedence."""
+        values = {f.name: getattr(decode, f.name) for f in dataclasses.fields(cls) if hasattr(decode, f.name)}
         values.update({k: v for k, v in overrides.items() if v is not None})
         options = cls(**values)
         if options.nbest > options.beam_size and not options.sample:

@@ -185,7 +185,7 @@ def warn(message: str) -> None:
 
 
 def eval_table(result: dict[str, Any]) -> None:
-    table = Table(title=f"{result['run']} · {result['split']} · beam {result['beam']}", title_justify="left",
+    table = Table(title=f"{result['run']} · {result['split']} · beam {result['beam_size']}", title_justify="left",
                   box=box.SIMPLE_HEAD)
     table.add_column("metric")
     table.add_column("value", justify="right")
