@@ -1,7 +1,9 @@
+import re
 import json
 import shutil
 
 import pytest
+import typer
 import yaml
 from typer.testing import CliRunner
 
@@ -15,11 +17,30 @@ def run_dir(trained_run):
     return trained_run
 
 
+COMMANDS = sorted(typer.main.get_command(app).commands)
+
+
 def test_help_lists_every_command():
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("train", "eval", "generate", "count-params"):
+    assert COMMANDS == ["average", "count-params", "eval", "generate", "inspect-attention", "plot", "train"]
+    for command in COMMANDS:
         assert command in result.output
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_examples_that_use_its_own_options(command):
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output and "Examples:" in result.output
+    text, panels = result.output.split("╭", 1)  # the docstring with its examples; the option panels
+    examples = [line.strip().split("  ")[0] for line in text.split("Examples:")[1].splitlines()
+                if line.strip().startswith(("tformer ", "torchrun "))]
+    own = [e.split(f" {command} ", 1)[1] for e in examples if f"tformer {command} " in e or f"tformer_cli {command} " in e]
+    assert own, result.output  # (an example may show the next command, as average's shows eval)
+    for example in own:
+        for option in re.findall(r"(?:^|\s)(--[a-z][a-z-]*)", example):
+            assert option in panels, (command, option)
 
 
 def test_train_json_summary_and_resume_refusal(run_dir, tmp_path):

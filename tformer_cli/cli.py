@@ -342,7 +342,7 @@ def average(
 
     [dim]Examples:[/]
       tformer average runs/multi30k --last 5
-      tformer eval runs/multi30k/checkpoints/average-last-5 --beam 5
+      tformer eval runs/multi30k/checkpoints/average-last-5 --beam-size 5
     """
     from tformer_cli.render import console, print_json
     from tformer_cli.runtime import average_checkpoints, choose_checkpoints
@@ -365,7 +365,7 @@ def plot(
 ) -> None:
     """Draw learning curves (training and validation loss, validation BLEU) from RUN/metrics.jsonl.
 
-    [dim]Example:[/]
+    [dim]Examples:[/]
       tformer plot runs/demo --output curves.png
     """
     from tformer_cli.render import console
