@@ -1,13 +1,20 @@
-import re
 import json
+import re
 import shutil
 
 import pytest
+import torch
 import typer
 import yaml
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from conftest import write_config
 from tformer_cli.cli import app
+from tformer_cli.config import load_config
+from tformer_cli.errors import UsageError
+from tformer_cli.runtime import choose_checkpoints, find_weights, step_checkpoints
+from tformer_cli.train import train
 
 runner = CliRunner()
 
@@ -259,3 +266,37 @@ def test_an_error_during_training_stops_the_live_progress_display(tmp_path, monk
                                  str(tmp_path / "run")])
     assert result.exit_code == 1 and "training diverged at step 1" in terminal.getvalue()
     assert len(displays) == 1 and not displays[0].live.is_started  # stopped, so the error prints below it
+
+
+def test_average_and_plot_commands_on_a_run(tmp_path):
+    config = write_config(tmp_path / "a.yaml", train={"max_steps": 6, "eval_every": 2, "keep_last": 3,
+                                                      "eval_max_sentences": 5}, data={"max_samples": 100})
+    run = tmp_path / "run"
+    train(load_config(config), run)
+    runner = CliRunner()
+    result = runner.invoke(app, ["average", str(run), "--last", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    averaged = run / "checkpoints" / "average-last-2"
+    assert json.loads(result.stdout) == {"checkpoint": str(averaged),
+                                         "averaged": [p.name for p in step_checkpoints(run)[-2:]]}
+    mean = load_file(str(averaged / "model.safetensors"))
+    a, b = (load_file(str(p / "model.safetensors")) for p in step_checkpoints(run)[-2:])
+    assert mean.keys() == a.keys()
+    for name in mean:
+        torch.testing.assert_close(mean[name], (a[name] + b[name]) / 2)
+    assert find_weights(averaged) == (run, averaged / "model.safetensors")
+    generated = runner.invoke(app, ["generate", str(averaged), "seven"])
+    assert generated.exit_code == 0 and len(generated.stdout.splitlines()) == 1
+    best = choose_checkpoints(run, best=1)
+    assert len(best) == 1
+    with pytest.raises(UsageError):
+        choose_checkpoints(run)
+    kept = len(step_checkpoints(run))
+    too_many = runner.invoke(app, ["average", str(run), "--last", str(kept + 1)])
+    assert too_many.exit_code == 1 and too_many.output.startswith(f"error: --last {kept + 1}: ")
+    assert f"keeps only {kept} step checkpoints" in too_many.output.replace("\n", " ")
+    plotted = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.png")])
+    assert plotted.exit_code == 0 and (tmp_path / "curves.png").stat().st_size > 1000
+    unknown = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.jpeg")])
+    assert unknown.exit_code == 1 and "use a .png, .svg or .pdf file name" in unknown.output
+    assert "Traceback" not in unknown.output and not (tmp_path / "curves.jpeg").exists()

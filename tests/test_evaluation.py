@@ -1,6 +1,13 @@
-import pytest
+import math
 
-from tformer_cli.evaluation import corpus_scores
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_model_config
+from tformer_cli.data import Batch, EncodedSplit
+from tformer_cli.evaluation import corpus_scores, evaluate_loss, label_smoothed_loss
+from tformer_cli.model import build_model
 
 REFS = ["ein Mann fährt Fahrrad .", "zwei Hunde spielen im Schnee", "einundzwanzig"]
 
@@ -19,3 +26,54 @@ def test_lowercased_bleu_ignores_case():
     scores = corpus_scores(upper, REFS)
     assert scores["bleu_lowercase"] == pytest.approx(100.0) and scores["bleu"] < 50
     assert 0 < corpus_scores(["ein Mann fährt Auto .", "", ""], REFS)["bleu"] < 100
+
+
+def test_label_smoothed_loss_equals_torch_cross_entropy():
+    model = build_model(tiny_model_config(), 40).eval()
+    src = torch.randint(4, 40, (3, 6))
+    tgt = torch.randint(4, 40, (3, 6))
+    tgt[1, 4:] = 0
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
+    loss, nll = label_smoothed_loss(model, batch, 0.1)
+    logits = model(src, tgt[:, :-1])
+    expected = F.cross_entropy(logits.transpose(1, 2), tgt[:, 1:], ignore_index=0, label_smoothing=0.1,
+                               reduction="sum")
+    expected_nll = F.cross_entropy(logits.transpose(1, 2), tgt[:, 1:], ignore_index=0, reduction="sum")
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(nll, expected_nll, rtol=1e-5, atol=1e-4)
+
+
+def test_rdrop_loss_runs_the_batch_twice_under_different_dropout_masks():
+    model = build_model(tiny_model_config(dropout=0.3), 40).train()
+    src, tgt = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 6))
+    tgt[1, 4:] = 0
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
+    torch.manual_seed(1)
+    loss, nll = label_smoothed_loss(model, batch, 0.1, rdrop=2.0)
+    torch.manual_seed(1)  # the same masks: one forward over the batch stacked on itself
+    logits = model(torch.cat([src, src]), torch.cat([tgt[:, :-1], tgt[:, :-1]]))
+    real = tgt[:, 1:] != 0
+    first, second = logits[:3][real], logits[3:][real]
+    assert not torch.allclose(first, second)  # the passes differ only by their dropout masks
+    log_p, log_q = F.log_softmax(first, dim=-1), F.log_softmax(second, dim=-1)
+    kl = (F.kl_div(log_p, log_q, log_target=True, reduction="sum")
+          + F.kl_div(log_q, log_p, log_target=True, reduction="sum")) / 2
+    ce = sum(F.cross_entropy(x, tgt[:, 1:][real], label_smoothing=0.1, reduction="sum") for x in (first, second))
+    torch.testing.assert_close(loss, ce / 2 + 2.0 * kl, rtol=1e-5, atol=1e-4)
+    nll_mean = sum(F.cross_entropy(x, tgt[:, 1:][real], reduction="sum") for x in (first, second)) / 2
+    torch.testing.assert_close(nll, nll_mean, rtol=1e-5, atol=1e-4)
+
+
+def test_evaluate_loss_of_a_uniform_model_is_log_v_per_real_target_token():
+    """A zero output projection makes every next-token distribution uniform over the V target ids, so
+    the mean NLL is log V and the perplexity V, whatever the inputs; padding is not counted."""
+    model = build_model(tiny_model_config(), 40)
+    with torch.no_grad():
+        model.output_proj.weight.zero_()
+    split = EncodedSplit([[5, 6, 2], [7, 2], [8, 9, 10, 11, 2]], [[1, 5, 2], [1, 6, 7, 8, 2], [1, 2]],
+                         [("a", "b"), ("c", "d"), ("e", "f")])
+    result = evaluate_loss(model, split, max_tokens=8)  # several batches of padded rows
+    assert result.tokens == 2 + 4 + 1  # the target tokens after <s>, </s> included
+    assert result.loss == pytest.approx(math.log(40), rel=1e-6)
+    assert result.perplexity == pytest.approx(40, rel=1e-5)
+    assert model.training  # the model's mode is restored

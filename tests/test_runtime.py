@@ -1,22 +1,16 @@
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from conftest import tiny_model_config, write_config
-from tformer_cli.cli import app
-from tformer_cli.config import load_config
+from conftest import tiny_model_config
 from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.model import build_model
 from tformer_cli.accel import ONEDNN_CACHE_CAPACITY, widen_kernel_cache
 from tformer_cli.runtime import (
-    average_checkpoints, choose_checkpoints, find_weights, load_run, load_run_config, load_weights,
+    average_checkpoints, load_run, load_run_config, load_weights,
     save_checkpoint, save_weights, step_checkpoints)
-from tformer_cli.train import train
 
 
 def test_averaging_two_checkpoints_gives_the_element_wise_mean(tmp_path):
@@ -53,51 +47,6 @@ def test_keep_last_prunes_old_checkpoints_and_weights_round_trip(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(CheckpointError, match="bad.safetensors: unreadable weights"):
         load_weights(again, tmp_path / "bad.safetensors")
-
-
-def test_average_and_plot_commands_on_a_run(tmp_path):
-    config = write_config(tmp_path / "a.yaml", train={"max_steps": 6, "eval_every": 2, "keep_last": 3,
-                                                      "eval_max_sentences": 5}, data={"max_samples": 100})
-    run = tmp_path / "run"
-    train(load_config(config), run)
-    runner = CliRunner()
-    result = runner.invoke(app, ["average", str(run), "--last", "2", "--json"])
-    assert result.exit_code == 0, result.output
-    averaged = run / "checkpoints" / "average-last-2"
-    assert json.loads(result.stdout) == {"checkpoint": str(averaged),
-                                         "averaged": [p.name for p in step_checkpoints(run)[-2:]]}
-    mean = load_file(str(averaged / "model.safetensors"))
-    a, b = (load_file(str(p / "model.safetensors")) for p in step_checkpoints(run)[-2:])
-    assert mean.keys() == a.keys()
-    for name in mean:
-        torch.testing.assert_close(mean[name], (a[name] + b[name]) / 2)
-    assert find_weights(averaged) == (run, averaged / "model.safetensors")
-    generated = runner.invoke(app, ["generate", str(averaged), "seven"])
-    assert generated.exit_code == 0 and len(generated.stdout.splitlines()) == 1
-    best = choose_checkpoints(run, best=1)
-    assert len(best) == 1
-    with pytest.raises(UsageError):
-        choose_checkpoints(run)
-    kept = len(step_checkpoints(run))
-    too_many = runner.invoke(app, ["average", str(run), "--last", str(kept + 1)])
-    assert too_many.exit_code == 1 and too_many.output.startswith(f"error: --last {kept + 1}: ")
-    assert f"keeps only {kept} step checkpoints" in too_many.output.replace("\n", " ")
-    plotted = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.png")])
-    assert plotted.exit_code == 0 and (tmp_path / "curves.png").stat().st_size > 1000
-    unknown = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.jpeg")])
-    assert unknown.exit_code == 1 and "use a .png, .svg or .pdf file name" in unknown.output
-    assert "Traceback" not in unknown.output and not (tmp_path / "curves.jpeg").exists()
-
-
-def test_curves_plot_the_first_informative_score():
-    from tformer_cli.render_curves import score_to_plot
-
-    translation = [{"loss": 2.0, "bleu": 30.5, "chrf": 55.0, "exact_match": 4.0}]
-    numbers = [{"loss": 0.1, "bleu": 0.0, "chrf": 99.0, "exact_match": 98.0}, {"loss": 0.1, "bleu": 0.0}]
-    assert score_to_plot(translation) == "bleu"
-    assert score_to_plot(numbers) == "exact_match"
-    assert score_to_plot([{"loss": 1.0, "bleu": 0.0, "chrf": 12.0}]) == "chrf"
-    assert score_to_plot([{"loss": 1.0}]) is None
 
 
 def test_widen_kernel_cache_sets_capacity_unless_the_user_did(monkeypatch):

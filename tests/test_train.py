@@ -5,7 +5,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import tiny_model_config, write_config
 from tformer_cli.config import load_config
@@ -28,42 +27,6 @@ def test_cosine_bounded_by_epochs_reaches_min_lr_on_the_last_step(tmp_path):
     lrs = [d["lr"] for e, d in events if e == "step"]
     assert len(lrs) > 4 and math.isclose(lrs[1], 1e-3) and math.isclose(lrs[-1], 1e-5)
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
-
-
-def test_label_smoothed_loss_equals_torch_cross_entropy():
-    model = build_model(tiny_model_config(), 40).eval()
-    src = torch.randint(4, 40, (3, 6))
-    tgt = torch.randint(4, 40, (3, 6))
-    tgt[1, 4:] = 0
-    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
-    loss, nll = label_smoothed_loss(model, batch, 0.1)
-    logits = model(src, tgt[:, :-1])
-    expected = F.cross_entropy(logits.transpose(1, 2), tgt[:, 1:], ignore_index=0, label_smoothing=0.1,
-                               reduction="sum")
-    expected_nll = F.cross_entropy(logits.transpose(1, 2), tgt[:, 1:], ignore_index=0, reduction="sum")
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(nll, expected_nll, rtol=1e-5, atol=1e-4)
-
-
-def test_rdrop_loss_runs_the_batch_twice_under_different_dropout_masks():
-    model = build_model(tiny_model_config(dropout=0.3), 40).train()
-    src, tgt = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 6))
-    tgt[1, 4:] = 0
-    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
-    torch.manual_seed(1)
-    loss, nll = label_smoothed_loss(model, batch, 0.1, rdrop=2.0)
-    torch.manual_seed(1)  # the same masks: one forward over the batch stacked on itself
-    logits = model(torch.cat([src, src]), torch.cat([tgt[:, :-1], tgt[:, :-1]]))
-    real = tgt[:, 1:] != 0
-    first, second = logits[:3][real], logits[3:][real]
-    assert not torch.allclose(first, second)  # the passes differ only by their dropout masks
-    log_p, log_q = F.log_softmax(first, dim=-1), F.log_softmax(second, dim=-1)
-    kl = (F.kl_div(log_p, log_q, log_target=True, reduction="sum")
-          + F.kl_div(log_q, log_p, log_target=True, reduction="sum")) / 2
-    ce = sum(F.cross_entropy(x, tgt[:, 1:][real], label_smoothing=0.1, reduction="sum") for x in (first, second))
-    torch.testing.assert_close(loss, ce / 2 + 2.0 * kl, rtol=1e-5, atol=1e-4)
-    nll_mean = sum(F.cross_entropy(x, tgt[:, 1:][real], reduction="sum") for x in (first, second)) / 2
-    torch.testing.assert_close(nll, nll_mean, rtol=1e-5, atol=1e-4)
 
 
 def test_a_tiny_model_overfits_one_batch():
