@@ -2,9 +2,11 @@
 
 import dataclasses
 import re
+import shutil
 from pathlib import Path
 
 from tformer_cli.config import SECTIONS
+from tformer_cli.runtime import step_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,3 +35,53 @@ def test_links_between_the_documents_resolve():
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
             if not target.startswith(("http://", "https://")):
                 assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)} links to missing {target}"
+
+
+def _blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def _readme_commands() -> list[str]:
+    """The `tformer` commands of the README's bash blocks that run on a finished run or need none
+    (training and installing are left to the demo, CI and the tests of train)."""
+    commands = []
+    for block in _blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = line.split("  #")[0].strip()
+            if command.startswith("tformer ") and not command.startswith("tformer train"):
+                commands.append(command)
+    return commands
+
+
+def test_the_readme_commands_run_as_written_on_a_run(trained_run, tmp_path, monkeypatch):
+    import shlex
+
+    from typer.testing import CliRunner
+
+    from tformer_cli.cli import app
+
+    commands = _readme_commands()
+    assert {c.split()[1] for c in commands} == {"eval", "generate", "inspect-attention", "count-params", "average",
+                                                "plot"}
+    monkeypatch.chdir(tmp_path)  # files the commands write land here
+    for name in ("demo", "multi30k"):  # the README's run names, played by copies of the test's tiny run
+        shutil.copytree(trained_run, tmp_path / "runs" / name)
+    last = step_checkpoints(tmp_path / "runs" / "multi30k")[-1]
+    for step in range(1, 6):  # enough checkpoints for `average --last 5`
+        shutil.copytree(last, last.parent / f"step-{step:08d}", dirs_exist_ok=True)
+    for command in commands:
+        result = CliRunner().invoke(app, shlex.split(command)[1:])
+        assert result.exit_code == 0, (command, result.output)
+
+
+def test_the_readme_shows_what_a_config_mistake_prints(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from tformer_cli.cli import app
+
+    (console,) = [block for block in _blocks("console") if "bad.yaml" in block]
+    command, *expected = console.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.yaml").write_text("model:\n  num_head: 8\ntrain:\n  schedule: cosin\n")
+    result = CliRunner().invoke(app, command.removeprefix("$ tformer ").split())
+    assert result.exit_code != 0 and result.output.splitlines() == expected
