@@ -100,9 +100,9 @@ def greedy_or_sample(model: torch.nn.Module, src: Tensor, options: DecodeOptions
 
 def argmax(x: Tensor) -> Tensor:
     """``x.argmax(-1)`` for a (b, V) tensor: the first index of each row's maximum. On a CPU torch's
-    argmax walks a row one element at a time (390 us for 64 x 8,000 floats on 2 cores) while ``amax``
-    is vectorised (26 us), so this takes the maximum of each block of up to 64 columns, the first block
-    holding the row's maximum, and the argmax inside that block only (60 us)."""
+    argmax walks a row one element at a time while ``amax`` is vectorised, so this takes the maximum
+    of each block of up to 64 columns, the first block holding the row's maximum, and the argmax inside
+    that block only (timings: benchmarks/README.md, "Small measurements")."""
     b, V = x.shape
     block = min(64, V & -V)  # the largest power of two <= 64 dividing V
     if x.device.type != "cpu" or block < 8:
@@ -114,9 +114,9 @@ def argmax(x: Tensor) -> Tensor:
 
 def topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """``x.topk(k, dim=-1)`` for a (b, N) tensor (values, then indices, largest first). On a CPU torch's
-    topk scans every element (375 us for the 16 x 32,000 candidates of beam 4); the k largest lie in the
-    k blocks of 64 columns with the largest maxima, and block maxima are vectorised, so this ranks the
-    blocks and runs topk only inside the best k (155 us)."""
+    topk scans every element; the k largest lie in the k blocks of 64 columns with the largest maxima,
+    and block maxima are vectorised, so this ranks the blocks and runs topk only inside the best k
+    (timings: benchmarks/README.md, "Small measurements")."""
     b, N = x.shape
     block = min(64, N & -N)  # the largest power of two <= 64 dividing N
     if x.device.type != "cpu" or block < 8 or N // block <= k:
@@ -248,9 +248,7 @@ class Translation:
 
 # Hypotheses (sentences x beams, or x samples) decoded together by default. More rows per step make its
 # matrix products cheaper per row, until beam search's rows outgrow the packed products (linear.MAX_ROWS)
-# and the kernels oneDNN builds per row count: on Multi30k test2016 (2-core CPU), greedy with 64 / 128 /
-# 256 sentences took 2.66 / 2.39 / 2.22 s in fp32 and 2.59 / 2.20 / 1.71 s in bf16, beam 5 with 64 / 128
-# sentences 6.99 / 7.18 s in fp32 and 5.25 / 6.42 s in bf16.
+# and the kernels oneDNN builds per row count (benchmarks/README.md, "Small measurements").
 HYPOTHESES_PER_BATCH = 256
 
 

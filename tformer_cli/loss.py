@@ -26,7 +26,7 @@ from torch import Tensor
 
 from tformer_cli.accel import gemm, ops
 
-CHUNK_TOKENS = 512  # on CPU: (512 x 37,000) fp32 logits are 72 MiB; 1,024 was no faster and doubled them
+CHUNK_TOKENS = 512  # on CPU: larger chunks were no faster and hold more logits (benchmarks/README.md)
 GPU_CHUNK_TOKENS = 8192  # on a GPU, fewer and larger matrix products keep it busy
 
 
@@ -46,8 +46,8 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         n = target.shape[0]
         chunk = CHUNK_TOKENS if hidden.device.type == "cpu" else GPU_CHUNK_TOKENS
         chunk = chunk // 2 if rdrop else chunk  # both passes' rows of a chunk are projected together
-        # torch's products write every chunk's logits into one buffer (into a new one per chunk they ran
-        # ~10 % slower on a CPU); oneDNN's have no out= form, and each chunk's are freed before the next
+        # torch's products write every chunk's logits into one buffer (a new one per chunk is slower on a
+        # CPU); oneDNN's have no out= form, and each chunk's are freed before the next
         buffer = None if gemm.onednn_applies(hidden, weight) else \
             hidden.new_empty((min(n, chunk) * (2 if rdrop else 1), weight.shape[0]), dtype=accumulate)
         if not rdrop:  # the mean logit of a row is h . mean_weight

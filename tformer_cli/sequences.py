@@ -1,10 +1,9 @@
 """Token id sequences stored flat: every id in one int32 tensor, and the offset where each sequence starts.
 
 A Python list of lists costs about 36 bytes a token (an 8-byte pointer and, for ids above 256, a
-28-byte int object); here a token costs 4. Multi30k repeated to 580,000 pairs took 2.0 GB with lists,
-0.6 GB flat (its raw texts included); WMT 2014 en-de's 4.5 M pairs would take ~16 GB with lists. A
-cached split also loads as two buffers instead of millions of objects (0.5 against 3.9 s), and a batch
-is padded by one gather instead of a loop over its rows.
+28-byte int object); here a token costs 4, so that corpora of millions of pairs fit in memory. A cached
+split also loads as two buffers instead of millions of objects, and a batch is padded by one gather
+instead of a loop over its rows (measured: benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -64,8 +63,8 @@ class Sequences:
 
 class TextPairs:
     """(source, target) texts stored flat as UTF-8: every text's bytes in one uint8 tensor, and the
-    offset where each starts (two a pair). A pair becomes Python strings when it is read; WMT's 4.5 M
-    pairs are ~0.6 GB here against ~2 GB as strings, and a cached split's texts load as two buffers."""
+    offset where each starts (two a pair). A pair becomes Python strings only when it is read: a Python
+    string costs ~50 bytes more than its text, and a cached split's texts load as two buffers."""
 
     def __init__(self, data: Tensor, offsets: Tensor) -> None:
         self.data = data  # (total bytes,) uint8

@@ -16,8 +16,8 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tformer_cli.errors import CheckpointError, first_line
 from tformer_cli.files import write_text_atomic
 
-# tokenizers' own count of the CPUs can come out as one (it did on a 2-core KVM guest, where both cores
-# tokenise 1.8x as fast): its thread pool gets the CPUs this process may run on, unless the user set it
+# tokenizers' own count of the CPUs can come out as one (benchmarks/README.md, "Data at the paper's
+# scale"): its thread pool gets the CPUs this process may run on, unless the user set it
 os.environ.setdefault("RAYON_RS_NUM_CPUS", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                                 else os.cpu_count() or 1))
 

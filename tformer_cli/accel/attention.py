@@ -7,7 +7,7 @@ and gives the same results (tests/test_accel.py). Its choices, each measured (be
   over contiguous keys instead of torch's fused kernel, whose blocks read keys that the step's other
   layers have evicted from cache;
 - bf16/fp16 inputs run torch's fused CPU kernel in fp32 where its low-precision path is slow: in
-  training (its bf16 backward is ~4x slower) and, without AMX, in decoding, whose key/value cache is
+  training (its bf16 backward is slower than fp32's) and, without AMX, in decoding, whose cache is
   then kept in fp32 (``cache_dtype``);
 - attention dropout on a CPU draws its mask with ``accel.dropout`` (torch's CPU kernel falls back to
   its math path and a slow mask there).
@@ -47,7 +47,7 @@ class CpuAttention(ScaledDotProductAttention):
         return out, weights if need_weights else None
 
     def cache_dtype(self, like: Tensor) -> torch.dtype:
-        """fp32 for bf16 keys on a CPU without AMX and for fp16, where torch's kernel is 2-5x slower on one
+        """fp32 for bf16 keys on a CPU without AMX and for fp16, where torch's kernel is slower on one
         low-precision query than in fp32 and casting the cache at every step costs as much."""
         return torch.float32 if like.device.type == "cpu" and _slow_in(like.dtype) else like.dtype
 

@@ -5,11 +5,10 @@ torch's CPU dropout draws its mask with ``bernoulli_``, one call of its Mersenne
 gives four 16-bit lanes, and a lane compared with a threshold is a Bernoulli(1 - p) draw with p
 rounded to a multiple of 1/65536 (at least 1/65536). The words come from SplitMix64 (Steele, Lea and
 Flood 2014; the seeder of xoshiro and Java's SplittableRandom): word i is a fixed mix of seed + i * gamma,
-vectorised elementwise ops on all cores where the Mersenne Twister runs on one (0.17 against 0.30 ms
-for the 98,304 words of a d_model-256 batch of 1,536 tokens), its seed drawn from torch's generator,
-so ``torch.manual_seed`` and saved RNG states govern the masks. The mask of that batch takes 0.25 ms,
-against 1.54 ms for comparing ``torch.rand`` with p; ``F.dropout`` takes 2.2 ms. On GPUs torch's fused
-kernel is used. ``dropout`` keeps a one-byte mask for backward.
+vectorised elementwise ops on all cores where the Mersenne Twister runs on one, its seed drawn from
+torch's generator, so ``torch.manual_seed`` and saved RNG states govern the masks (timings:
+benchmarks/README.md, "Small measurements"). On GPUs torch's fused kernel is used. ``dropout`` keeps a
+one-byte mask for backward.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
         return F.dropout(x, p, training=True)
     keep, scale = keep_mask(x.shape, p, x.device)
     # The mask's bytes read as uint8: torch copies a uint8 or bool mask to float before multiplying, from
-    # uint8 2x faster (68 against 146 us for 64 x 24 x 256; 48 with a float mask); autograd keeps one byte
+    # uint8 faster than from bool; autograd keeps one byte
     return (x * keep.view(torch.uint8)).mul_(scale)
 
 

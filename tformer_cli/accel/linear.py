@@ -22,7 +22,7 @@ from tformer_cli.accel.ops import LINEAR_POINTWISE, REORDER_LINEAR_WEIGHT, nativ
 PACKING = LINEAR_POINTWISE is not None and REORDER_LINEAR_WEIGHT is not None
 # oneDNN's bf16 products need AVX-512 (or AVX-NE-CONVERT); elsewhere torch's op raises instead
 PACKING_BF16 = PACKING and native_on_cpu("bf16")
-# oneDNN builds a kernel for every new row count (~0.8 ms, then cached), so rows are padded (see
+# oneDNN builds a kernel for every new row count (then caches it), so rows are padded (see
 # _padded_rows). Packing pays where reading the weight dominates: up to MAX_ROWS rows (an encoder
 # batch of thousands gained little) and weights of MIN_WEIGHT elements or more (below, oneDNN's call
 # overhead ate the gain); under bf16 autocast, which casts the weight at every call, from smaller ones.
@@ -76,7 +76,7 @@ class FastLinear(nn.Linear):
     def _unpacked(self, x: Tensor) -> Tensor:
         out = gemm.linear(x, self.weight, self.bias)
         if self.activation == "relu" and not torch.is_grad_enabled():
-            return out.relu_()  # in place at inference (an encoder batch: +2 % greedy); training keeps relu
+            return out.relu_()  # in place at inference, saving a copy; training keeps relu's input
         return ACTIVATIONS[self.activation](out) if self.activation else out
 
     def train(self, mode: bool = True) -> "FastLinear":
