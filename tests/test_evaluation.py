@@ -77,3 +77,37 @@ def test_evaluate_loss_of_a_uniform_model_is_log_v_per_real_target_token():
     assert result.loss == pytest.approx(math.log(40), rel=1e-6)
     assert result.perplexity == pytest.approx(40, rel=1e-5)
     assert model.training  # the model's mode is restored
+
+
+def test_evaluate_run_against_figures_worked_out_by_hand(tmp_path):
+    """A model whose every output distribution is the same: logit c for </s>, 0 for the other V - 1
+    ids. Decoding then stops at once (empty hypotheses: BLEU, chrF and exact match 0), and the loss
+    follows from counting: each sentence's one </s> costs -log p_eos, every other token -log p_other."""
+    import json
+
+    from tformer_cli.config import DataConfig
+    from tformer_cli.decoding import DecodeOptions
+    from tformer_cli.evaluation import evaluate_run
+    from tformer_cli.tokenizer import EOS_ID, Vocabulary
+
+    pairs = [("one", "eins"), ("two three", "zwei drei"), ("four", "vier fünf sechs")]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps({"en": s, "de": t}) + "\n" for s, t in pairs))
+    vocab = Vocabulary.train(pairs * 5, vocab_size=60, min_frequency=1)
+    V, c = vocab.tgt_size, 3.0
+    model = build_model(tiny_model_config(norm="pre"), vocab.src_size, V).eval()
+    with torch.no_grad():  # the decoder's final LayerNorm outputs the constant e_0; W maps it to the logits
+        model.decoder.final_norm.weight.zero_()
+        model.decoder.final_norm.bias.zero_()
+        model.decoder.final_norm.bias[0] = 1.0
+        model.output_proj.weight.zero_()
+        model.output_proj.weight[EOS_ID, 0] = c
+    cfg = DataConfig(data_files={"test": str(tmp_path / "test.jsonl")}, source="en", target="de", max_length=64)
+    result = evaluate_run(model, vocab, cfg, "test", DecodeOptions(beam_size=1), None, 1000)
+
+    tokens = sum(len(ids) - 1 for ids in vocab.encode_targets([t for _, t in pairs]))  # after <s>, </s> included
+    log_z = math.log(math.exp(c) + V - 1)
+    expected = (len(pairs) * (log_z - c) + (tokens - len(pairs)) * log_z) / tokens
+    assert result["loss"] == pytest.approx(expected, rel=1e-6)
+    assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
+    assert result["hypotheses"] == ["", "", ""] and result["sentences"] == 3
+    assert (result["bleu"], result["chrf"], result["exact_match"]) == (0.0, 0.0, 0.0)
