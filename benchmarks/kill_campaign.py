@@ -105,7 +105,10 @@ def trial(config: Path, run_dir: Path, signame: str, delay: float | None, env: d
     at = time.perf_counter() - start
     if not signalled:  # the run was over first: nothing was tested
         return {"signal": signame, "at_s": round(at, 2), "phase": "finished first"}
-    command, source = follow_up(stderr, original, signame, env)
+    if process.returncode == 0:  # the signal landed as the finished run was exiting: nothing to resume
+        command, source = [], "the run had finished (exit 0)"
+    else:
+        command, source = follow_up(stderr, original, signame, env)
     code = subprocess.run(command, capture_output=True, env=env, cwd=ROOT).returncode if command else 0
     return {"signal": signame, "at_s": round(at, 2), "phase": landed, "exit": process.returncode,
             "message": stderr.strip().splitlines()[-1] if stderr.strip() else "", "next": source,
