@@ -27,27 +27,28 @@ from tformer_cli.errors import ConfigError
 class ModelConfig:
     """The network (paper §3). ``d_ff`` defaults to 4 * d_model."""
 
-    d_model: int = 512
-    num_heads: int = 8
-    num_encoder_layers: int = 6
-    num_decoder_layers: int = 6
-    d_ff: Optional[int] = None
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
+    d_model: int = 512  # width of every sublayer output and embedding; divisible by num_heads
+    num_heads: int = 8  # attention heads
+    num_encoder_layers: int = 6  # encoder depth
+    num_decoder_layers: int = 6  # decoder depth
+    d_ff: Optional[int] = None  # FFN inner width; null: 4 * d_model
+    dropout: float = 0.1  # on sublayer outputs and on the embeddings plus positions
+    attention_dropout: float = 0.0  # on the attention weights
     # Whole-word dropout (Marian's --dropout-src/--dropout-trg; Sennrich & Zhang 2019): while training, each
     # source and target input token's embedding is zeroed with this probability, before the positions are added.
     word_dropout: float = 0.0
-    activation: Literal["relu", "gelu"] = "relu"
+    activation: Literal["relu", "gelu"] = "relu"  # the FFN's
     # Biases on the attention projections W^Q, W^K, W^V, W^O: the paper's are plain matrices (§3.2.2, as in
     # tensor2tensor); true adds them, as nn.MultiheadAttention and Marian do. The FFN keeps its b_1, b_2.
     attention_bias: bool = False
-    norm: Literal["post", "pre"] = "post"
+    norm: Literal["post", "pre"] = "post"  # post-LN (the paper) or pre-LN (with a final LayerNorm per stack)
+    # sinusoidal (the paper), learned, rope (rotary, in self-attention) or alibi
     positional: Literal["sinusoidal", "learned", "rope", "alibi"] = "sinusoidal"
-    max_len: int = 512
+    max_len: int = 512  # positions
     # "all": source, target and output share one matrix (needs a joint vocabulary);
     # "decoder": target embedding and output projection only; "none": three matrices.
     share_embeddings: Literal["all", "decoder", "none"] = "all"
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-5  # epsilon of every LayerNorm
 
     def __post_init__(self) -> None:
         if self.d_ff is None:
@@ -61,19 +62,20 @@ class DataConfig:
     dataset: Optional[str] = "bentrevett/multi30k"  # hub id or local dataset folder
     subset: Optional[str] = None  # the dataset's subset (configuration) where it has several, e.g. wmt14's de-en
     data_files: Optional[dict[str, Any]] = None  # split -> file(s); overrides `dataset`
+    # of data_files; text: a [source, target] pair of plain-text files
     format: Literal["auto", "json", "csv", "parquet", "text"] = "auto"
     source: str = "de"  # field name; dotted for nested fields, e.g. translation.de
-    target: str = "en"
-    train_split: str = "train"
-    validation_split: Optional[str] = "validation"
-    test_split: Optional[str] = "test"
-    max_samples: Optional[int] = None
+    target: str = "en"  # field name, as source
+    train_split: str = "train"  # split names
+    validation_split: Optional[str] = "validation"  # null: no validation
+    test_split: Optional[str] = "test"  # eval's default split
+    max_samples: Optional[int] = None  # use only the first N pairs of each split
     max_length: int = 256  # tokens per side, BOS/EOS included
-    long_pairs: Literal["drop", "truncate"] = "drop"
-    vocab_size: int = 37000
-    joint_vocab: bool = True
-    min_frequency: int = 2
-    lowercase: bool = False
+    long_pairs: Literal["drop", "truncate"] = "drop"  # what to do with pairs longer than max_length
+    vocab_size: int = 37000  # BPE vocabulary, special tokens included
+    joint_vocab: bool = True  # one vocabulary for both sides (needed by share_embeddings all)
+    min_frequency: int = 2  # of a BPE merge
+    lowercase: bool = False  # lowercase the text before BPE
     # BPE-dropout (Provilkov et al. 2020): while training, each merge is skipped with this probability and the
     # training split is segmented afresh every epoch; validation, test and decoding keep the plain segmentation.
     bpe_dropout: float = 0.0
@@ -84,38 +86,41 @@ class TrainConfig:
     """Optimisation, schedule, stopping, evaluation and checkpointing."""
 
     output_dir: Optional[str] = None  # default runs/<config name>
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0  # seeds initialisation, dropout and data order
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when available
+    # fp32, or bf16 / fp16 autocast (bf16 on CPUs with AVX-512 BF16 or AMX)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    compile: bool = False
+    compile: bool = False  # torch.compile the loss and model
     accel: Literal["auto", "off"] = "auto"  # the speed layer (tformer_cli/accel): auto where it pays, off: plain
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (ddp), or shard it (fsdp)
     max_tokens: int = 4096  # padded tokens (source or target, the larger) per batch
-    grad_accum: int = 1
-    optimizer: Literal["adam", "adamw"] = "adam"
+    grad_accum: int = 1  # batches per optimizer step
+    optimizer: Literal["adam", "adamw"] = "adam"  # adam, or adamw (decoupled weight decay)
     # With schedule "noam", lr is the scale factor of d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
     # otherwise it is the peak learning rate.
     lr: float = 1.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
-    eps: float = 1e-9
-    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])  # Adam's
+    eps: float = 1e-9  # Adam's
+    weight_decay: float = 0.0  # on matrices only, not biases and LayerNorms
+    # noam (lr is a scale), or inverse_sqrt, cosine, constant (lr is the peak) after a linear warmup
     schedule: Literal["noam", "inverse_sqrt", "cosine", "constant"] = "noam"
-    warmup_steps: int = 4000
+    warmup_steps: int = 4000  # linear warmup
+    # where cosine ends: at max_steps or epochs, or with max_time at the step the pace so far reaches
     min_lr: float = 0.0
-    label_smoothing: float = 0.1
+    label_smoothing: float = 0.1  # epsilon of §5.4
     rdrop: float = 0.0  # R-Drop weight alpha: each batch runs twice, their output KL divergence is penalised
-    clip_grad_norm: Optional[float] = 1.0
-    max_steps: Optional[int] = 100000
-    epochs: Optional[int] = None
+    clip_grad_norm: Optional[float] = 1.0  # null: no clipping
+    max_steps: Optional[int] = 100000  # stop at whichever of max_steps, epochs and max_time comes first
+    epochs: Optional[int] = None  # passes over the training split
     max_time: Optional[float] = None  # seconds of training before stopping
-    log_every: int = 50
-    eval_every: int = 1000
-    eval_bleu: bool = True
-    eval_max_sentences: int = 500
-    best_metric: Literal["loss", "bleu"] = "loss"
+    log_every: int = 50  # steps between logged training figures
+    eval_every: int = 1000  # steps between validations
+    eval_bleu: bool = True  # greedy BLEU and chrF on the validation split too
+    eval_max_sentences: int = 500  # validation sentences decoded for BLEU
+    best_metric: Literal["loss", "bleu"] = "loss"  # which validation figure picks model.safetensors
     patience: Optional[int] = None  # evaluations without improvement before stopping
     save_every: Optional[int] = None  # steps between checkpoints (default: eval_every)
-    keep_last: int = 3
+    keep_last: int = 3  # step checkpoints kept
     ema_decay: float = 0.0  # > 0: keep an exponential moving average of the weights (checkpoints/ema)
 
 
@@ -123,14 +128,14 @@ class TrainConfig:
 class DecodeConfig:
     """Defaults for `generate` and `eval`; every one can be given as a flag too."""
 
-    beam_size: int = 4
+    beam_size: int = 4  # 1: greedy
     length_penalty: float = 0.6  # GNMT alpha
     max_len_a: float = 1.2  # output length limit: a * source_length + b
-    max_len_b: int = 10
+    max_len_b: int = 10  # see max_len_a
     batch_size: Optional[int] = None  # sentences per batch; null: 256 hypotheses (256 greedy, 64 with beam 4)
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling (generate --sample)
+    top_k: int = 0  # sampling: only the k most likely tokens; 0: all
+    top_p: float = 1.0  # sampling: the smallest set of tokens with this mass
 
 
 # The range of each decode setting, for the config check and for the same flags of `eval` and `generate`.
