@@ -2,6 +2,7 @@
 
 import copy
 import itertools
+import os
 import random
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from conftest import tiny_model_config
-from tformer_cli.accel import accelerate, gemm, linear
+from tformer_cli.accel import ONEDNN_CACHE_CAPACITY, accelerate, gemm, linear, widen_kernel_cache
 from tformer_cli.accel.attention import CpuAttention
 from tformer_cli.accel.dropout import FastDropout
 from tformer_cli.accel.linear import FastFeedForward, FastLinear
@@ -86,3 +87,13 @@ def test_off_and_other_devices_leave_the_plain_model():
         kinds = {type(m) for m in accelerate(model, device, mode).modules()}
         assert not kinds & {FastLinear, FastFeedForward, CpuAttention, FastDropout}
         assert not gemm._enabled
+
+
+def test_widen_kernel_cache_sets_capacity_unless_the_user_did(monkeypatch):
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # recorded, so teardown restores the variable
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    widen_kernel_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    widen_kernel_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"

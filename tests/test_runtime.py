@@ -1,4 +1,3 @@
-import os
 from pathlib import Path
 
 import pytest
@@ -7,7 +6,6 @@ import torch
 from conftest import tiny_model_config
 from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.model import build_model
-from tformer_cli.accel import ONEDNN_CACHE_CAPACITY, widen_kernel_cache
 from tformer_cli.runtime import (
     average_checkpoints, load_run, load_run_config, load_weights,
     save_checkpoint, save_weights, step_checkpoints)
@@ -47,16 +45,6 @@ def test_keep_last_prunes_old_checkpoints_and_weights_round_trip(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(CheckpointError, match="bad.safetensors: unreadable weights"):
         load_weights(again, tmp_path / "bad.safetensors")
-
-
-def test_widen_kernel_cache_sets_capacity_unless_the_user_did(monkeypatch):
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # recorded, so teardown restores the variable
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-    widen_kernel_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    widen_kernel_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
 
 
 def test_a_run_saved_before_attention_bias_existed_loads_with_biases(trained_run, tmp_path):
