@@ -37,7 +37,6 @@ from torch.utils._pytree import tree_map_only
 
 from tformer_cli.errors import TformerError
 
-ENGINES = ("ddp", "fsdp")
 # How long a process waits in a collective for the others: long enough for rank 0 to validate with BLEU
 # while the others wait for its figures, short enough that a process stuck without a peer ends.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
@@ -155,8 +154,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {index: {key: shard_like(value, params[int(index)]) if isinstance(value, torch.Tensor) else value
                      for key, value in entry.items()}
-             for index, entry in saved["state"].items()} if any(isinstance(p, DTensor) for p in params) \
-        else saved["state"]
+             for index, entry in saved["state"].items()}
     optimizer.load_state_dict({**saved, "state": state})
 
 

@@ -423,6 +423,9 @@ def _checkpoint(setup: _Setup, notify: Callback) -> None:
     on any number), written by rank 0. Under FSDP every process takes part in gathering them."""
     state = setup.state
     _check_finite(setup.model, state.step, setup.workers)  # on every process, so that all of them stop together
+    if not (setup.sharded or setup.workers.main):  # DDP: rank 0 holds everything it writes
+        setup.saved_step = state.step
+        return
     trainer_state = {"optimizer": optimizer_state(setup.optimizer), "state": asdict(state), "rng": rng_state()}
     if setup.ema is not None:
         trainer_state["ema"] = gathered(setup.ema.state_dict())
