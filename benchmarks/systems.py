@@ -122,7 +122,7 @@ class Tformer(System):
         from tformer_cli.decoding import DecodeOptions, decode_batch
 
         self.model.eval()
-        options = DecodeOptions(beam_size=beams, max_len_a=0, max_len_b=new_tokens, min_length=new_tokens)
+        options = DecodeOptions(beam_size=beams, max_len_a=0, max_len_b=new_tokens, min_len=new_tokens)
         return decode_batch(self.model, src, options)
 
     def greedy(self, src, new_tokens):

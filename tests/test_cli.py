@@ -117,7 +117,7 @@ def test_generate_from_arguments_and_stdin_one_line_per_input(run_dir):
 
 
 def test_generate_translates_each_line_typed_at_a_terminal_and_piped_lines_in_batches(run_dir, monkeypatch):
-    import tformer_cli.cli as cli
+    import tformer_cli.cli_decode as cli_decode
     import tformer_cli.decoding as decoding
 
     batches = []
@@ -127,7 +127,7 @@ def test_generate_translates_each_line_typed_at_a_terminal_and_piped_lines_in_ba
     lines = "seven\neight\nnine\n"
     piped = runner.invoke(app, ["generate", str(run_dir)], input=lines)
     assert piped.exit_code == 0 and batches == [3]
-    monkeypatch.setattr(cli, "_at_terminal", lambda stream: True)
+    monkeypatch.setattr(cli_decode, "_at_terminal", lambda stream: True)
     typed = runner.invoke(app, ["generate", str(run_dir)], input=lines)
     assert typed.stdout == piped.stdout and batches == [3, 1, 1, 1]
 

@@ -91,11 +91,11 @@ def test_seeds_reproduce_samples(model):
     assert draw(1) != draw(2)
 
 
-def test_min_length_forces_exactly_n_tokens(model):
+def test_min_len_forces_exactly_n_tokens(model):
     src = _sources()
-    for hyps in decode_batch(model, src, DecodeOptions(beam_size=3, min_length=9, max_len_a=0, max_len_b=9)):
+    for hyps in decode_batch(model, src, DecodeOptions(beam_size=3, min_len=9, max_len_a=0, max_len_b=9)):
         assert len(hyps[0].tokens) == 9 and EOS_ID not in hyps[0].tokens
-    for hyp in greedy_or_sample(model, src, DecodeOptions(min_length=9, max_len_a=0, max_len_b=9)):
+    for hyp in greedy_or_sample(model, src, DecodeOptions(min_len=9, max_len_a=0, max_len_b=9)):
         assert len(hyp.tokens) == 9
 
 
@@ -118,7 +118,7 @@ def test_by_default_a_batch_holds_256_hypotheses(model, monkeypatch, options, se
     import tformer_cli.decoding as decoding
 
     batches = []
-    monkeypatch.setattr(decoding, "decode_batch", lambda model, src, options: batches.append(src.shape[0])
+    monkeypatch.setattr(decoding, "decode_batch", lambda model, src, options, prefix: batches.append(src.shape[0])
                         or [[decoding.Hypothesis([], 0.0, 0.0)]] * src.shape[0])
     vocab = Vocabulary.train([("a b c", "a b c")], vocab_size=VOCAB, min_frequency=1)
     translate(model, vocab, ["a b"] * 300, options)

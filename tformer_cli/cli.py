@@ -13,9 +13,9 @@ import typer
 from typer.core import TyperGroup
 
 from tformer_cli import __version__
+from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
-    ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, DeviceOpt, JsonOpt, PrecisionOpt, QuietOpt, RunArg,
-    SetOpt, check_decoding_flags, check_image_name, check_text, decoding_autocast, stdin_lines)
+    ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, QuietOpt, RunArg, SetOpt, check_image_name, check_text)
 from tformer_cli.errors import Interrupted, TformerError, UsageError
 
 
@@ -160,130 +160,8 @@ def _stopped_by_signal(signum: int, run_dir: Path | None, main: bool) -> None:
     raise typer.Exit(128 + signum)
 
 
-@app.command("eval")
-def eval_command(
-    run: RunArg,
-    split: Annotated[Optional[str], typer.Option(
-        help="Split of the run's dataset (default: its data.test_split, e.g. test).")] = None,
-    beam_size: BeamOpt = None,
-    output: Annotated[Optional[Path], typer.Option(help="Write hypotheses here, one a line, in input order.")] = None,
-    data_files: Annotated[Optional[list[Path]], typer.Option(
-        help="Evaluate these files instead (jsonl/csv/parquet, or source + target text files).")] = None,
-    source_field: Annotated[Optional[str], typer.Option(help="Source field of --data-files.")] = None,
-    target_field: Annotated[Optional[str], typer.Option(help="Target field of --data-files.")] = None,
-    max_samples: Annotated[Optional[int], typer.Option(help="Only the first N pairs.")] = None,
-    batch_size: BatchOpt = None,
-    length_penalty: AlphaOpt = None,
-    device: DecodeDeviceOpt = None,
-    precision: PrecisionOpt = "fp32",
-    accel: AccelOpt = "auto",
-    json_output: JsonOpt = False,
-) -> None:
-    """Score a trained model: loss, perplexity, BLEU, chrF, exact match and decoding speed.
-
-    [dim]Examples:[/]
-      tformer eval runs/demo
-      tformer eval runs/demo --split validation --beam 1 --output hyps.txt --json
-      tformer eval runs/demo --data-files my.jsonl --source-field en --target-field de
-    """
-    from dataclasses import replace
-
-    from tformer_cli.accel import check_mode
-    from tformer_cli.decoding import DecodeOptions
-    from tformer_cli.evaluation import evaluate_run
-    from tformer_cli.render import eval_table, print_json
-    from tformer_cli.runtime import load_run, resolve_device
-
-    check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_samples=max_samples,
-                         length_penalty=length_penalty)
-    check_mode(accel)
-    for path in data_files or []:
-        if not path.is_file():
-            raise UsageError(f"--data-files {path}: no such file")
-    dev = resolve_device(device or "auto")
-    amp = decoding_autocast(dev, precision)  # checked before the model is loaded
-    loaded = load_run(run, dev, accel)
-    if output:  # a folder or an unwritable path fails now, not after the evaluation (nor before the run loads)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        open(output, "a").close()
-    data = loaded.config.data
-    split = split or data.test_split or "test"
-    if data_files:
-        data = replace(data, data_files={split: [str(f) for f in data_files]}, format="auto")
-    data = replace(data, source=source_field or data.source, target=target_field or data.target,
-                   max_samples=max_samples)
-    options = DecodeOptions.from_config(loaded.config.decode, beam_size=beam_size, length_penalty=length_penalty)
-    with amp:
-        result = evaluate_run(loaded.model, loaded.vocab, data, split, options,
-                              batch_size or loaded.config.decode.batch_size, loaded.config.train.max_tokens, dev)
-    hypotheses = result.pop("hypotheses")
-    if output:
-        output.write_text("".join(h + "\n" for h in hypotheses))
-    result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam_size=options.beam_size, precision=precision)
-    print_json(result) if json_output else eval_table(result)
-
-
-@app.command()
-def generate(
-    run: RunArg,
-    texts: Annotated[Optional[list[str]], typer.Argument(help="Texts to translate; none: read stdin lines.")] = None,
-    beam_size: BeamOpt = None,
-    sample: Annotated[bool, typer.Option("--sample", help="Sample instead of searching.")] = False,
-    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens.")] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="Sample from the smallest set with mass p.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible samples.")] = None,
-    nbest: Annotated[int, typer.Option(help="Hypotheses per input (tab-separated in plain output).")] = 1,
-    max_new_tokens: Annotated[Optional[int], typer.Option(
-        help="At most this many output tokens (default: decode.max_len_a * source length + max_len_b).")] = None,
-    batch_size: BatchOpt = None,
-    length_penalty: AlphaOpt = None,
-    device: DecodeDeviceOpt = None,
-    precision: PrecisionOpt = "fp32",
-    accel: AccelOpt = "auto",
-    json_output: Annotated[bool, typer.Option("--json", help="One JSON object a line.")] = False,
-) -> None:
-    """Translate texts given as arguments, or standard input line by line (one output line per input).
-
-    [dim]Examples:[/]
-      tformer generate runs/demo "twenty-one" "three hundred forty-two thousand fifteen"
-      cat numbers.txt | tformer generate runs/demo --beam 4 > german.txt
-      tformer generate runs/demo "seven" --sample --temperature 0.8 --top-p 0.9 --seed 1 --nbest 3 --json
-    """
-    import sys
-
-    from tformer_cli.accel import check_mode
-    from tformer_cli.decoding import DecodeOptions, default_batch_size, translate
-    from tformer_cli.render import generation_lines, warn
-    from tformer_cli.runtime import load_run, resolve_device
-
-    check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_k=top_k, top_p=top_p, length_penalty=length_penalty)
-    check_mode(accel)
-    if sample and beam_size is not None and beam_size > 1:
-        raise UsageError(f"--beam-size {beam_size} with --sample: sampling draws each token at random, not by beam "
-                         "search; drop --beam-size (--nbest N draws N samples)")
-    dev = resolve_device(device or "auto")
-    amp = decoding_autocast(dev, precision)
-    loaded = load_run(run, dev, accel)
-    limits = {"max_len_a": 0.0, "max_len_b": max_new_tokens} if max_new_tokens is not None else {}
-    options = DecodeOptions.from_config(loaded.config.decode, beam_size=1 if sample else beam_size, sample=sample,
-                                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, nbest=nbest,
-                                        length_penalty=length_penalty, **limits)
-    size = batch_size or loaded.config.decode.batch_size or default_batch_size(options)
-    for text in texts or []:
-        check_text("TEXTS", text)
-    lines = iter(texts) if texts else stdin_lines(sys.stdin.buffer)
-    # typed at a terminal, each line is translated when it is entered; piped, lines go in batches
-    chunk_size = len(texts) if texts else 1 if _at_terminal(sys.stdin) else size
-    for chunk in _chunks(lines, chunk_size):
-        with amp:
-            results = translate(loaded.model, loaded.vocab, chunk, options, size, dev)
-        for result in results:
-            if result.truncated:
-                warn(f"input longer than the model's {loaded.config.model.max_len} positions was truncated: "
-                     f"{result.source[:40]}…")
-            generation_lines(result, json_output)
+app.command("eval")(eval_command)
+app.command()(generate)
 
 
 @app.command("inspect-attention")
@@ -416,21 +294,6 @@ def count_params(
     vocab_size = cfg.data.vocab_size
     result = summary(cfg.model, vocab_size, vocab_size)
     print_json(result) if json_output else param_table(result)
-
-
-def _at_terminal(stream) -> bool:
-    return stream.isatty()
-
-
-def _chunks(lines, size: int):
-    chunk = []
-    for line in lines:
-        chunk.append(line)
-        if len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 
 def main() -> None:

@@ -45,7 +45,7 @@ def check_decoding_flags(**flags) -> None:
 
     at_least_one = (lambda v: v >= 1, ">= 1")
     limits = {**DECODE_LIMITS, "nbest": at_least_one, "max_new_tokens": at_least_one,
-              "max_samples": at_least_one}
+              "max_samples": at_least_one, "align_layer": at_least_one}
     for name, value in flags.items():
         ok, expected = limits[name]
         if value is not None and not ok(value):

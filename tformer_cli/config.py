@@ -132,6 +132,8 @@ class DecodeConfig:
     length_penalty: float = 0.6  # GNMT alpha
     max_len_a: float = 1.2  # output length limit: a * source_length + b
     max_len_b: int = 10  # see max_len_a
+    min_len: int = 0  # no end of sentence before this many output tokens
+    no_repeat_ngram: int = 0  # n > 0: no n-gram of output tokens occurs twice (fairseq's no_repeat_ngram_size)
     batch_size: Optional[int] = None  # sentences per batch; null: 256 hypotheses (256 greedy, 64 with beam 4)
     temperature: float = 1.0  # sampling (generate --sample)
     top_k: int = 0  # sampling: only the k most likely tokens; 0: all
@@ -143,6 +145,8 @@ DECODE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "beam_size": (lambda v: v >= 1, ">= 1"),
     "length_penalty": (lambda v: v >= 0, ">= 0 (0: no length normalisation)"),  # beam search's early stop needs it
     "batch_size": (lambda v: v is None or v >= 1, ">= 1 or null"),
+    "min_len": (lambda v: v >= 0, ">= 0"),
+    "no_repeat_ngram": (lambda v: v >= 0, ">= 0 (0: off)"),
     "temperature": (lambda v: v >= 0, ">= 0"),
     "top_k": (lambda v: v >= 0, ">= 0 (0: no limit)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),

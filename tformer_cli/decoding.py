@@ -7,13 +7,16 @@ position only, and drops finished sentences from the batch (and from the cache).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from tformer_cli.config import DecodeConfig
-from tformer_cli.tokenizer import BOS_ID, EOS_ID, Vocabulary
+from tformer_cli.ensemble import Ensemble, as_ensemble
+from tformer_cli.mbr import rank, sentence_metric
+from tformer_cli.tokenizer import BOS_ID, EOS_ID, PAD_ID, Vocabulary
 
 
 @dataclass
@@ -27,8 +30,13 @@ class DecodeOptions:
     length_penalty: float = 0.6  # GNMT alpha: score / ((5 + length) / 6) ** alpha
     max_len_a: float = 1.2  # at most a * source_length + b new tokens
     max_len_b: int = 10
-    min_length: int = 0  # EOS is forbidden before this many tokens
+    min_len: int = 0  # EOS is forbidden before this many tokens
+    no_repeat_ngram: int = 0  # n > 0: no n-gram occurs twice in an output (fairseq's --no-repeat-ngram-size)
     nbest: int = 1
+    align_layer: int | None = None  # a decoder layer's index: output tokens aligned by its cross-attention
+    mbr: int = 0  # n > 0: minimum-Bayes-risk choice among n candidates (see ``mbr.py``)
+    mbr_metric: str = "chrf"  # chrf | bleu: the utility of a candidate against each other one
+    mbr_candidates: str = "sample"  # sample: n samples; beam: the n best of a beam search
 
     @classmethod
     def from_config(cls, decode: "DecodeConfig", **overrides) -> "DecodeOptions":
@@ -41,49 +49,99 @@ class DecodeOptions:
             options.beam_size = options.nbest  # n-best lists need at least n beams
         return options
 
+    def candidates(self) -> "DecodeOptions":
+        """The search that gives minimum-Bayes-risk decoding its candidates: ``mbr`` samples, or the
+        ``mbr``-best hypotheses of a beam at least that wide."""
+        if self.mbr_candidates == "beam":
+            return dataclasses.replace(self, sample=False, nbest=self.mbr, beam_size=max(self.beam_size, self.mbr), mbr=0)
+        return dataclasses.replace(self, sample=True, nbest=self.mbr, beam_size=1, mbr=0)
+
 
 @dataclass
 class Hypothesis:
     tokens: list[int]  # without BOS/EOS
     score: float  # sum of token log-probabilities (EOS included when emitted)
     normalized: float  # score after the length penalty (equal to score for greedy and sampling)
+    alignment: list[int] | None = None  # per output token, the source position it attends to most
 
 
-def max_new_tokens(src: Tensor, pad_id: int, options: DecodeOptions, model_max_len: int) -> Tensor:
-    """(B,) output length limits: a * source_length + b, within the model's positions."""
+def max_new_tokens(src: Tensor, pad_id: int, options: DecodeOptions, model_max_len: int,
+                   prefix: Tensor | None = None) -> Tensor:
+    """(B,) output length limits: a * source_length + b, and at least one token past a forced prefix,
+    within the model's positions."""
     src_len = (src != pad_id).sum(dim=1).float()
     limit = (options.max_len_a * src_len + options.max_len_b).long()
+    if prefix is not None:
+        limit = torch.maximum(limit, (prefix != PAD_ID).sum(dim=1) + 1)
     return limit.clamp(min=1, max=model_max_len - 1)
 
 
-def _step_log_probs(model: torch.nn.Module, last: Tensor, encoded, cache) -> Tensor:
-    """Log-probabilities (b, V) of the next token, from the newest token (b, 1) and the cache."""
-    hidden = model.decode(last, encoded, cache).hidden[:, -1]  # (b, d_model)
-    return model.logits(hidden).float().log_softmax(dim=-1)
+def constrain(log_probs: Tensor, t: int, options: DecodeOptions, history: Tensor | None,
+              prefix: Tensor | None) -> None:
+    """Apply, in place, the rules on which token may come at step ``t`` to each row's log-probabilities
+    (b, V), given the row's tokens so far ``history`` (b, t) and forced ``prefix`` (b, P) (PAD where a
+    row's prefix has ended): no EOS before ``min_len`` tokens, no repeated n-gram, and a prefix token
+    where there is one (with its own log-probability, so that it counts in the score)."""
+    rows = None
+    if prefix is not None and t < prefix.shape[1]:
+        forced = prefix[:, t]
+        rows = (forced != PAD_ID).nonzero().squeeze(1)
+        kept = log_probs[rows, forced[rows]]
+    if t < options.min_len:
+        log_probs[:, EOS_ID] = float("-inf")
+    if options.no_repeat_ngram:
+        ban_repeats(log_probs, history, options.no_repeat_ngram)
+    if rows is not None and rows.numel():
+        log_probs[rows] = float("-inf")
+        log_probs[rows, forced[rows]] = kept
+
+
+def ban_repeats(log_probs: Tensor, history: Tensor, n: int) -> None:
+    """Forbid (in place) every token that would complete an n-gram already in the row's ``history``
+    (b, t): the tokens that followed an earlier occurrence of the row's last n - 1 tokens."""
+    t = history.shape[1]
+    if t < n:
+        return
+    grams = history.unfold(1, n, 1)  # (b, t - n + 1, n)
+    last = history[:, t - n + 1:]  # (b, n - 1)
+    rows, at = (grams[:, :, :-1] == last[:, None, :]).all(dim=-1).nonzero(as_tuple=True)
+    log_probs[rows, grams[rows, at, -1]] = float("-inf")
+
+
+def attended_source(attention: Tensor, src: Tensor) -> Tensor:
+    """(b,) the real source token (not padding nor EOS) each row's attention (b, S) weighs most."""
+    real = (src != PAD_ID) & (src != EOS_ID)
+    return attention.masked_fill(~real, -1.0).argmax(dim=-1)
 
 
 @torch.inference_mode()
-def greedy_or_sample(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> list[Hypothesis]:
-    """Greedy search, or sampling with temperature / top-k / top-p when ``options.sample``."""
+def greedy_or_sample(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeOptions,
+                     prefix: Tensor | None = None) -> list[Hypothesis]:
+    """Greedy search, or sampling with temperature / top-k / top-p when ``options.sample``. ``prefix``
+    (B, P), padded with PAD, holds target tokens each output must start with."""
+    models = as_ensemble(model)
     B, device = src.shape[0], src.device
-    limits = max_new_tokens(src, model.pad_id, options, model.decoder.embed.max_len)
-    encoded = model.encode(src)
-    cache = model.start_cache(encoded, capacity=int(limits.max()) + 1)
+    limits = max_new_tokens(src, models.pad_id, options, models.max_len, prefix)
+    encoded = models.encode(src)
+    cache = models.start_cache(encoded, capacity=int(limits.max()) + 1)
     generator = _generator(options, device)
     out = torch.full((B, int(limits.max())), EOS_ID, dtype=torch.long, device=device)
+    aligned = torch.zeros_like(out) if options.align_layer is not None else None
     scores = torch.zeros(B, device=device)
     lengths = limits.clone()
     alive = torch.arange(B, device=device)  # original row of each row still decoding
     last = torch.full((B, 1), BOS_ID, dtype=torch.long, device=device)
     for t in range(int(limits.max())):
-        log_probs = _step_log_probs(model, last, encoded, cache)  # (b, V)
-        if t < options.min_length:
-            log_probs[:, EOS_ID] = float("-inf")
+        log_probs, attention = models.next_log_probs(last, encoded, cache, options.align_layer)  # (b, V)
+        constrain(log_probs, t, options, out[alive, :t] if options.no_repeat_ngram else None,
+                  None if prefix is None else prefix[alive])
         if options.sample and options.temperature > 0:
             token = _sample(log_probs, options, generator)  # (b,)
         else:
             token = argmax(log_probs)
         out[alive, t] = token
+        if aligned is not None:
+            aligned[alive, t] = attended_source(attention, src[alive])
         scores[alive] += log_probs.gather(1, token[:, None]).squeeze(1)
         done = (token == EOS_ID) | (t + 1 >= limits[alive])
         lengths[alive[token == EOS_ID]] = t
@@ -95,7 +153,9 @@ def greedy_or_sample(model: torch.nn.Module, src: Tensor, options: DecodeOptions
             cache.select(keep)
         last = token[:, None]
     out, lengths, scores = out.tolist(), lengths.tolist(), scores.tolist()
-    return [Hypothesis(row[:n], s, s) for row, n, s in zip(out, lengths, scores)]
+    alignments = aligned.tolist() if aligned is not None else [None] * B
+    return [Hypothesis(row[:n], s, s, a[:n] if a is not None else None)
+            for row, n, s, a in zip(out, lengths, scores, alignments)]
 
 
 def argmax(x: Tensor) -> Tensor:
@@ -152,62 +212,75 @@ def _length_penalty(length: int | Tensor, alpha: float):
 
 
 @torch.inference_mode()
-def beam_search(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> list[list[Hypothesis]]:
+def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeOptions,
+                prefix: Tensor | None = None) -> list[list[Hypothesis]]:
     """Beam search batched over sentences and beams, with GNMT length normalisation.
 
     A sentence stops when its best finished hypothesis beats the best score any live beam could
     still reach; finished sentences leave the batch. Returns ``nbest`` hypotheses per sentence.
+    ``prefix`` (B, P), padded with PAD, holds target tokens each output must start with.
     """
+    models = as_ensemble(model)
     B, K, device = src.shape[0], options.beam_size, src.device
     alpha = options.length_penalty
-    limits = max_new_tokens(src, model.pad_id, options, model.decoder.embed.max_len).tolist()
-    encoded = model.encode(src)  # (B, S, d): the K beams of a sentence share its cross-attention K/V
-    cache = model.start_cache(encoded, capacity=max(limits) + 1, group=K)
+    limits = max_new_tokens(src, models.pad_id, options, models.max_len, prefix).tolist()
+    encoded = models.encode(src)  # (B, S, d): the K beams of a sentence share its cross-attention K/V
+    cache = models.start_cache(encoded, capacity=max(limits) + 1, group=K)
     scores = torch.zeros(B, K, device=device)
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
     history = torch.empty(B * K, 0, dtype=torch.long, device=device)
+    aligned = history.clone() if options.align_layer is not None else None  # a source position per token
     last = torch.full((B * K, 1), BOS_ID, dtype=torch.long, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    alive = list(range(B))  # original sentence of each block of K rows
+    alive = torch.arange(B, device=device)  # original sentence of each block of K rows
+
+    def hypothesis(row: int, score: float, length: int) -> Hypothesis:
+        return Hypothesis(history[row].tolist(), score, score / _length_penalty(length, alpha),
+                          aligned[row].tolist() if aligned is not None else None)
+
     for t in range(max(limits)):
-        n = len(alive)
-        log_probs = _step_log_probs(model, last, encoded, cache)  # (n*K, V)
-        if t < options.min_length:
-            log_probs[:, EOS_ID] = float("-inf")
+        n, sentences = len(alive), alive.tolist()
+        log_probs, attention = models.next_log_probs(last, encoded, cache, options.align_layer)  # (n*K, V)
+        constrain(log_probs, t, options, history if options.no_repeat_ngram else None,
+                  None if prefix is None else prefix[alive].repeat_interleave(K, dim=0))
         V = log_probs.shape[-1]
         candidates = log_probs.add_(scores.view(n * K, 1)).view(n, K * V)  # in place: log_probs is not needed after
         top_scores, top_index = topk(candidates, 2 * K)  # (n, 2K): at most K of them end in EOS
         top_beam, top_token = top_index // V, top_index % V
-        is_eos = top_token == EOS_ID
+        is_eos = (top_token == EOS_ID) & (top_scores > float("-inf"))  # -inf: a beam that a forced prefix left empty
         for row, col in (is_eos[:, :K]).nonzero().tolist():  # EOS among the K best: a finished hypothesis
-            beam = row * K + top_beam[row, col].item()
-            score = top_scores[row, col].item()
-            normalized = score / _length_penalty(t + 1, alpha)
-            finished[alive[row]].append(Hypothesis(history[beam].tolist(), score, normalized))
+            hyp = hypothesis(row * K + top_beam[row, col].item(), top_scores[row, col].item(), t + 1)
+            finished[sentences[row]].append(hyp)
         live_scores, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=-1)  # (n, K)
         origin = (top_beam.gather(1, pick) + torch.arange(n, device=device)[:, None] * K).view(-1)  # (n*K,)
         token = top_token.gather(1, pick).view(-1)
         history = torch.cat([history[origin], token[:, None]], dim=1)
+        if aligned is not None:  # a token is aligned by the attention of the step that chose it
+            source = attended_source(attention, src[alive].repeat_interleave(K, dim=0))
+            aligned = torch.cat([aligned[origin], source[origin, None]], dim=1)
         scores, last = live_scores, token[:, None]
         cache.reorder(origin)  # beams move within their sentence: cross-attention K/V stay put
-        done = _sentences_done(finished, alive, live_scores, history, t + 1, limits, options)
+        done = _sentences_done(finished, sentences, live_scores, hypothesis, t + 1, limits, options)
         if all(done):
             break
         if any(done):
             keep_rows = [i for i, d in enumerate(done) if not d]
             rows = torch.tensor([r * K + k for r in keep_rows for k in range(K)], device=device)
-            alive = [alive[r] for r in keep_rows]
+            alive = alive[keep_rows]
             scores, history, last = scores[keep_rows], history[rows], last[rows]
+            aligned = aligned[rows] if aligned is not None else None
             cache.select(rows)
     return [sorted(hyps, key=lambda h: -h.normalized)[: options.nbest] for hyps in finished]
 
 
-def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_scores: Tensor, history: Tensor,
-                    length: int, limits: list[int], options: DecodeOptions) -> list[bool]:
+def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_scores: Tensor,
+                    hypothesis: Callable[[int, float, int], Hypothesis], length: int, limits: list[int],
+                    options: DecodeOptions) -> list[bool]:
     """Per alive sentence: finished hypotheses can no longer be beaten, or the length limit is hit.
 
     With alpha >= 0, a live beam's best reachable normalised score is its current score (scores only
-    fall) divided by the largest penalty it can still get, at its length limit.
+    fall) divided by the largest penalty it can still get, at its length limit. ``hypothesis(row,
+    score, length)`` makes a finished hypothesis of a live row.
     """
     done = []
     K = live_scores.shape[1]
@@ -217,8 +290,8 @@ def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_sco
         if length >= limits[sentence]:
             missing = options.nbest - len(hyps)  # out of length: the best live beams end here, without EOS
             for k, score in enumerate(live_scores[row, :max(missing, 0)].tolist()):
-                hyps.append(Hypothesis(history[row * K + k].tolist(), score,
-                                       score / _length_penalty(length, options.length_penalty)))
+                if score > float("-inf"):
+                    hyps.append(hypothesis(row * K + k, score, length))
             done.append(True)
             continue
         bound = best_live[row] / _length_penalty(limits[sentence], options.length_penalty)
@@ -227,16 +300,18 @@ def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_sco
     return done
 
 
-def decode_batch(model: torch.nn.Module, src: Tensor, options: DecodeOptions) -> list[list[Hypothesis]]:
-    """Hypotheses for each source row: beam search when beam_size > 1, else greedy or sampling."""
+def decode_batch(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeOptions,
+                 prefix: Tensor | None = None) -> list[list[Hypothesis]]:
+    """Hypotheses for each source row: beam search when beam_size > 1, else greedy or sampling.
+    ``prefix`` (B, P), padded with PAD: target tokens each output must start with."""
     if options.beam_size > 1 and not options.sample:
-        return beam_search(model, src, options)
+        return beam_search(model, src, options, prefix)
     if options.sample and options.nbest > 1:  # n independent samples per source, best first
         rows = torch.arange(src.shape[0], device=src.device).repeat_interleave(options.nbest)
-        samples = greedy_or_sample(model, src[rows], options)
+        samples = greedy_or_sample(model, src[rows], options, None if prefix is None else prefix[rows])
         groups = [samples[i:i + options.nbest] for i in range(0, len(samples), options.nbest)]
         return [sorted(group, key=lambda h: -h.score) for group in groups]
-    return [[h] for h in greedy_or_sample(model, src, options)]
+    return [[h] for h in greedy_or_sample(model, src, options, prefix)]
 
 
 @dataclass
@@ -244,6 +319,7 @@ class Translation:
     source: str
     outputs: list[tuple[str, Hypothesis]]  # best first; text and hypothesis
     truncated: bool = False  # the source was longer than the model's positions
+    utilities: list[float] | None = None  # with MBR: each output's expected utility
 
 
 # Hypotheses (sentences x beams, or x samples) decoded together by default. More rows per step make its
@@ -254,29 +330,46 @@ HYPOTHESES_PER_BATCH = 256
 
 def default_batch_size(options: DecodeOptions) -> int:
     """Sentences per batch when decode.batch_size is not set: HYPOTHESES_PER_BATCH rows a step."""
+    if options.mbr:
+        options = options.candidates()
     width = options.nbest if options.sample else options.beam_size
     return max(1, HYPOTHESES_PER_BATCH // width)
 
 
-def translate(model: torch.nn.Module, vocab: Vocabulary, texts: list[str], options: DecodeOptions,
-              batch_size: int | None = None, device: torch.device | str = "cpu") -> list[Translation]:
+def translate(model: torch.nn.Module | Ensemble, vocab: Vocabulary, texts: list[str], options: DecodeOptions,
+              batch_size: int | None = None, device: torch.device | str = "cpu",
+              prefixes: list[str] | None = None) -> list[Translation]:
     """Translate texts in length-sorted batches of ``batch_size`` sentences (default: see
-    ``default_batch_size``); results come back in input order.
+    ``default_batch_size``); results come back in input order. Each output starts with the text's
+    entry in ``prefixes``, if given and not empty. With ``options.mbr``, the ``nbest`` candidates of
+    highest expected utility come back, best first (see ``mbr.py``).
 
     Empty texts give an empty output without running the model; sources longer than the model's
     positions are truncated (keeping the closing EOS) and flagged.
     """
     from tformer_cli.data import pad_sequences
 
-    max_len = model.encoder.embed.max_len
+    models = as_ensemble(model)
+    max_len = models.max_len
     ids = vocab.encode_sources(texts)
     results = [Translation(text, [("", Hypothesis([], 0.0, 0.0))], len(s) > max_len) for text, s in zip(texts, ids)]
     ids = [s[: max_len - 1] + s[-1:] if len(s) > max_len else s for s in ids]
+    forced = vocab.encode_prefixes(prefixes) if prefixes else None
     order = sorted((i for i, text in enumerate(texts) if text.strip()), key=lambda i: len(ids[i]))
+    search = options.candidates() if options.mbr else options
+    metric = sentence_metric(options.mbr_metric) if options.mbr else None
     batch_size = batch_size or default_batch_size(options)
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         src = pad_sequences([ids[i] for i in chunk]).to(device)
-        for i, hyps in zip(chunk, decode_batch(model, src, options)):
-            results[i].outputs = list(zip(vocab.decode_targets([h.tokens for h in hyps]), hyps))
+        prefix = None
+        if forced is not None and any(forced[i] for i in chunk):
+            prefix = pad_sequences([forced[i] or [PAD_ID] for i in chunk]).to(device)
+        for i, hyps in zip(chunk, decode_batch(models, src, search, prefix)):
+            outputs = list(zip(vocab.decode_targets([h.tokens for h in hyps]), hyps))
+            if metric is not None:
+                ranking, utilities = rank([text for text, _ in outputs], metric)
+                outputs = [outputs[j] for j in ranking[:options.nbest]]
+                results[i].utilities = utilities[:options.nbest]
+            results[i].outputs = outputs
     return results

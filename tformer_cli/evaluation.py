@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from tformer_cli.data import Batch, EncodedSplit, collate, token_batches
+from tformer_cli.ensemble import Ensemble, as_ensemble
 from tformer_cli.loss import linear_smoothed_cross_entropy
 from tformer_cli.tokenizer import PAD_ID
 
@@ -65,19 +66,34 @@ class LossResult:
 
 
 @torch.no_grad()
-def evaluate_loss(model: torch.nn.Module, split: EncodedSplit, max_tokens: int,
+def evaluate_loss(model: torch.nn.Module | Ensemble, split: EncodedSplit, max_tokens: int,
                   device: torch.device | str = "cpu") -> LossResult:
-    """Teacher-forced mean NLL per target token over a whole split."""
-    was_training = model.training
-    model.eval()
+    """Teacher-forced mean NLL per target token over a whole split (of the ensemble's averaged
+    probabilities, for several models)."""
+    models = as_ensemble(model)
+    was_training = [m.training for m in models.models]
+    for m in models.models:
+        m.eval()
     total, tokens = 0.0, 0
     for indices in token_batches(split.src.lengths(), split.tgt.lengths(), max_tokens, shuffle=False):
         batch = collate(split, indices).to(device)
-        _, nll = label_smoothed_loss(model, batch, 0.0)
+        if len(models.models) == 1:
+            nll = label_smoothed_loss(models.models[0], batch, 0.0)[1]
+        else:
+            nll = ensemble_nll(models, batch)
         total += nll.item()
         tokens += batch.num_tokens
-    model.train(was_training)
+    for m, training in zip(models.models, was_training):
+        m.train(training)
     return LossResult(total / max(tokens, 1), tokens)
+
+
+def ensemble_nll(models: Ensemble, batch: Batch) -> Tensor:
+    """NLL sum over the batch's real target tokens of the models' averaged probabilities."""
+    real = batch.tgt_out != PAD_ID
+    log_probs = torch.stack([m(batch.src, batch.tgt_in)[real].float().log_softmax(dim=-1) for m in models.models])
+    averaged = torch.logsumexp(log_probs, dim=0) - math.log(len(models.models))  # (tokens, V)
+    return -averaged.gather(1, batch.tgt_out[real][:, None]).sum()
 
 
 def corpus_scores(hypotheses: list[str], references: list[str]) -> dict[str, float | str]:
@@ -108,7 +124,7 @@ def validation_bleu(model: torch.nn.Module, vocab, split: EncodedSplit, decode_c
     return {key: scores[key] for key in ("bleu", "chrf", "exact_match")}
 
 
-def evaluate_run(model: torch.nn.Module, vocab, data_cfg, split: str, options, batch_size: int | None,
+def evaluate_run(model: torch.nn.Module | Ensemble, vocab, data_cfg, split: str, options, batch_size: int | None,
                  max_tokens: int, device: torch.device | str = "cpu") -> dict:
     """Teacher-forced loss and perplexity, then decoding: BLEU (cased and lowercased), chrF, exact match
     and speed, on one split. Returns the figures and the hypotheses in input order."""

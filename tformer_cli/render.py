@@ -200,13 +200,30 @@ def eval_table(result: dict[str, Any]) -> None:
     console.print(f"[dim]sacreBLEU {result['bleu_signature']}[/]", highlight=False)
 
 
-def generation_lines(result, as_json: bool) -> None:
-    """One line per input: the best output (n-best tab-separated), or one JSON object."""
+def generation_lines(result, as_json: bool, number: int = 0, align_vocab=None) -> None:
+    """One line per input: the best output (n-best tab-separated), or one JSON object. With
+    ``align_vocab`` (the run's vocabulary, under --align), the best output's alignment follows on a
+    line of fairseq's form, A-NUMBER then source-output token position pairs (0-based, subword
+    tokens); in JSON, every output's alignment and the tokens its positions count."""
+    hyps = [hyp for _, hyp in result.outputs]
     if as_json:
-        print_json({"input": result.source, "outputs": [text for text, _ in result.outputs],
-                    "scores": [round(hyp.score, 4) for _, hyp in result.outputs],  # log-probabilities
-                    "normalized_scores": [round(hyp.normalized, 4) for _, hyp in result.outputs],
-                    "truncated": result.truncated})
+        record = {"input": result.source, "outputs": [text for text, _ in result.outputs],
+                  "scores": [round(hyp.score, 4) for hyp in hyps],  # log-probabilities
+                  "normalized_scores": [round(hyp.normalized, 4) for hyp in hyps], "truncated": result.truncated}
+        if result.utilities is not None:
+            record["mbr_utilities"] = [round(u, 4) for u in result.utilities]
+        if align_vocab is not None:
+            record["source_tokens"] = align_vocab.source_tokens(align_vocab.encode_sources([result.source])[0][:-1])
+            record["output_tokens"] = [align_vocab.target_tokens(hyp.tokens) for hyp in hyps]
+            record["alignments"] = [_pairs(hyp) for hyp in hyps]
+        print_json(record)
     else:
         sys.stdout.write("\t".join(text for text, _ in result.outputs) + "\n")
+        if align_vocab is not None:
+            sys.stdout.write(f"A-{number}\t" + " ".join(f"{s}-{t}" for s, t in _pairs(hyps[0])) + "\n")
         sys.stdout.flush()
+
+
+def _pairs(hypothesis) -> list[tuple[int, int]]:
+    """(source position, output position) for each output token of an aligned hypothesis."""
+    return [(s, t) for t, s in enumerate(hypothesis.alignment or [])]

@@ -30,6 +30,7 @@ from safetensors.torch import load_model, save_model
 
 from tformer_cli.accel import ops
 from tformer_cli.config import Config, load_config, to_yaml
+from tformer_cli.ensemble import Ensemble
 from tformer_cli.errors import CheckpointError, UsageError, first_line
 from tformer_cli.files import read_jsonl, replacing, write_text_atomic
 from tformer_cli.run_folder import CHECKPOINTS, CONFIG, METRICS, TRAINER, WEIGHTS, mark_run_folder
@@ -220,6 +221,19 @@ def load_run(path: Path, device: torch.device | str = "cpu", accel: str = "auto"
     model = build_model(config.model, vocab.src_size, vocab.tgt_size, PAD_ID)
     load_weights(model, weights)
     return LoadedRun(run_dir, weights, config, vocab, accelerate(model.to(device).eval(), device, accel))
+
+
+def load_ensemble(paths: list[Path], device: torch.device | str = "cpu",
+                  accel: str = "auto") -> tuple[LoadedRun, Ensemble]:
+    """The first run (its config and vocabulary serve the whole ensemble) and all runs' models as one
+    ``Ensemble``; runs whose vocabularies differ are refused."""
+    loaded = [load_run(path, device, accel) for path in paths]
+    first = loaded[0]
+    for other in loaded[1:]:
+        if (other.vocab.fingerprint(), other.vocab.joint) != (first.vocab.fingerprint(), first.vocab.joint):
+            raise UsageError(f"--ensemble {other.run_dir}: its vocabulary differs from {first.run_dir}'s; ensembled "
+                             "models must share one (e.g. runs trained on the same data and data.vocab_size)")
+    return first, Ensemble([run.model for run in loaded])
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -115,6 +115,10 @@ class Vocabulary:
         """Target ids are wrapped: <s> y_1 ... y_m </s>."""
         return [[BOS_ID] + ids + [EOS_ID] for ids in _ids(self.target, texts)]
 
+    def encode_prefixes(self, texts: list[str]) -> list[list[int]]:
+        """Target ids of the texts that outputs must start with, without BOS or EOS."""
+        return _ids(self.target, texts)
+
     def decode_targets(self, sequences: Iterable[list[int]]) -> list[str]:
         """Ids (specials dropped) back to text."""
         return self.target.decode_batch([list(s) for s in sequences], skip_special_tokens=True)

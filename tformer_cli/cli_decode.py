@@ -1,0 +1,254 @@
+"""The decoding commands, `eval` and `generate` (cli.py registers them on the app), and the flags
+they share beyond those in cli_options.py: ensembles, repetition control, minimum-Bayes-risk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from tformer_cli.cli_options import (
+    ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, JsonOpt, PrecisionOpt, RunArg,
+    check_decoding_flags, check_text, decoding_autocast, stdin_lines)
+from tformer_cli.errors import UsageError
+
+EnsembleOpt = Annotated[Optional[list[str]], typer.Option(
+    "--ensemble", metavar="RUN[,RUN...]",
+    help="Decode with these runs too (same vocabulary): their next-token probabilities are averaged.")]
+MinLenOpt = Annotated[Optional[int], typer.Option(help="decode.min_len: no end of sentence before N tokens.")]
+NoRepeatOpt = Annotated[Optional[int], typer.Option(
+    "--no-repeat-ngram", help="decode.no_repeat_ngram: no N-gram occurs twice in an output.")]
+MbrOpt = Annotated[int, typer.Option(
+    "--mbr", help="Minimum-Bayes-risk: draw N candidates, keep the one that agrees most with the others.")]
+MbrMetricOpt = Annotated[str, typer.Option(help="chrf | bleu: the agreement --mbr maximises.", rich_help_panel=ADVANCED)]
+MbrCandidatesOpt = Annotated[str, typer.Option(
+    help="sample | beam: --mbr's candidates are N samples, or the N best of a beam search.", rich_help_panel=ADVANCED)]
+SeedOpt = Annotated[Optional[int], typer.Option(help="Seed for reproducible samples.")]
+
+
+def check_mbr(mbr: int, metric: str, candidates: str, nbest: int = 1) -> None:
+    from tformer_cli.mbr import METRICS
+
+    if mbr < 0:
+        raise UsageError(f"--mbr {mbr}: must be >= 1 (or 0: off)")
+    if metric not in METRICS:
+        raise UsageError(f"--mbr-metric {metric}: expected {' or '.join(METRICS)}")
+    if candidates not in ("sample", "beam"):
+        raise UsageError(f"--mbr-candidates {candidates}: expected sample or beam")
+    if mbr and nbest > mbr:
+        raise UsageError(f"--nbest {nbest} with --mbr {mbr}: MBR ranks {mbr} candidates; ask for at most that many")
+
+
+def ensemble_runs(run: Path, ensemble: list[str] | None) -> list[Path]:
+    """RUN, then the --ensemble runs (repeated or comma-separated)."""
+    return [run] + [Path(part) for value in ensemble or [] for part in value.split(",") if part]
+
+
+def eval_command(
+    run: RunArg,
+    split: Annotated[Optional[str], typer.Option(
+        help="Split of the run's dataset (default: its data.test_split, e.g. test).")] = None,
+    beam_size: BeamOpt = None,
+    output: Annotated[Optional[Path], typer.Option(help="Write hypotheses here, one a line, in input order.")] = None,
+    data_files: Annotated[Optional[list[Path]], typer.Option(
+        help="Evaluate these files instead (jsonl/csv/parquet, or source + target text files).")] = None,
+    source_field: Annotated[Optional[str], typer.Option(help="Source field of --data-files.")] = None,
+    target_field: Annotated[Optional[str], typer.Option(help="Target field of --data-files.")] = None,
+    max_samples: Annotated[Optional[int], typer.Option(help="Only the first N pairs.")] = None,
+    ensemble: EnsembleOpt = None,
+    min_len: MinLenOpt = None,
+    no_repeat_ngram: NoRepeatOpt = None,
+    mbr: MbrOpt = 0,
+    mbr_metric: MbrMetricOpt = "chrf",
+    mbr_candidates: MbrCandidatesOpt = "sample",
+    seed: SeedOpt = None,
+    batch_size: BatchOpt = None,
+    length_penalty: AlphaOpt = None,
+    device: DecodeDeviceOpt = None,
+    precision: PrecisionOpt = "fp32",
+    accel: AccelOpt = "auto",
+    json_output: JsonOpt = False,
+) -> None:
+    """Score a trained model: loss, perplexity, BLEU, chrF, exact match and decoding speed.
+
+    [dim]Examples:[/]
+      tformer eval runs/demo
+      tformer eval runs/demo --split validation --beam 1 --output hyps.txt --json
+      tformer eval runs/demo --data-files my.jsonl --source-field en --target-field de
+      tformer eval runs/a --ensemble runs/b,runs/c --beam 5
+      tformer eval runs/demo --mbr 32 --seed 1
+    """
+    from dataclasses import replace
+
+    from tformer_cli.accel import check_mode
+    from tformer_cli.decoding import DecodeOptions
+    from tformer_cli.evaluation import evaluate_run
+    from tformer_cli.render import eval_table, print_json
+    from tformer_cli.runtime import load_ensemble, resolve_device
+
+    check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_samples=max_samples,
+                         length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram)
+    check_mbr(mbr, mbr_metric, mbr_candidates)
+    check_mode(accel)
+    for path in data_files or []:
+        if not path.is_file():
+            raise UsageError(f"--data-files {path}: no such file")
+    dev = resolve_device(device or "auto")
+    amp = decoding_autocast(dev, precision)  # checked before the model is loaded
+    runs = ensemble_runs(run, ensemble)
+    loaded, models = load_ensemble(runs, dev, accel)
+    if output:  # a folder or an unwritable path fails now, not after the evaluation (nor before the run loads)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        open(output, "a").close()
+    data = loaded.config.data
+    split = split or data.test_split or "test"
+    if data_files:
+        data = replace(data, data_files={split: [str(f) for f in data_files]}, format="auto")
+    data = replace(data, source=source_field or data.source, target=target_field or data.target,
+                   max_samples=max_samples)
+    options = DecodeOptions.from_config(loaded.config.decode, beam_size=beam_size, length_penalty=length_penalty,
+                                        min_len=min_len, no_repeat_ngram=no_repeat_ngram, mbr=mbr,
+                                        mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, seed=seed)
+    with amp:
+        result = evaluate_run(models, loaded.vocab, data, split, options,
+                              batch_size or loaded.config.decode.batch_size, loaded.config.train.max_tokens, dev)
+    hypotheses = result.pop("hypotheses")
+    if output:
+        output.write_text("".join(h + "\n" for h in hypotheses))
+    result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam_size=options.beam_size, precision=precision)
+    if len(runs) > 1:
+        result["ensemble"] = [str(r) for r in runs]
+    if mbr:
+        result.update(mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates)
+    print_json(result) if json_output else eval_table(result)
+
+
+def generate(
+    run: RunArg,
+    texts: Annotated[Optional[list[str]], typer.Argument(help="Texts to translate; none: read stdin lines.")] = None,
+    beam_size: BeamOpt = None,
+    sample: Annotated[bool, typer.Option("--sample", help="Sample instead of searching.")] = False,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Sample from the smallest set with mass p.")] = None,
+    seed: SeedOpt = None,
+    nbest: Annotated[int, typer.Option(help="Hypotheses per input (tab-separated in plain output).")] = 1,
+    max_new_tokens: Annotated[Optional[int], typer.Option(
+        help="At most this many output tokens (default: decode.max_len_a * source length + max_len_b).")] = None,
+    min_len: MinLenOpt = None,
+    no_repeat_ngram: NoRepeatOpt = None,
+    prefix: Annotated[Optional[str], typer.Option(
+        help="Every output starts with this text, and decoding goes on from it.")] = None,
+    json_input: Annotated[bool, typer.Option(
+        "--json-input", help='Read stdin as JSON lines, {"input": TEXT, "prefix": TEXT} (prefix optional).')] = False,
+    align: Annotated[bool, typer.Option(
+        "--align", help="Also print each output token's most attended source token (fairseq's A- lines).")] = False,
+    align_layer: Annotated[Optional[int], typer.Option(
+        help="Decoder layer (1-based) whose cross-attention --align reads (default: the last).",
+        rich_help_panel=ADVANCED)] = None,
+    ensemble: EnsembleOpt = None,
+    mbr: MbrOpt = 0,
+    mbr_metric: MbrMetricOpt = "chrf",
+    mbr_candidates: MbrCandidatesOpt = "sample",
+    batch_size: BatchOpt = None,
+    length_penalty: AlphaOpt = None,
+    device: DecodeDeviceOpt = None,
+    precision: PrecisionOpt = "fp32",
+    accel: AccelOpt = "auto",
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object a line.")] = False,
+) -> None:
+    """Translate texts given as arguments, or standard input line by line (one output line per input).
+
+    [dim]Examples:[/]
+      tformer generate runs/demo "twenty-one" "three hundred forty-two thousand fifteen"
+      cat numbers.txt | tformer generate runs/demo --beam 4 > german.txt
+      tformer generate runs/demo "seven" --sample --temperature 0.8 --top-p 0.9 --seed 1 --nbest 3 --json
+      tformer generate runs/demo "twenty-one" --prefix "einund" --align
+    """
+    import sys
+
+    from tformer_cli.accel import check_mode
+    from tformer_cli.decoding import DecodeOptions, default_batch_size, translate
+    from tformer_cli.render import generation_lines, warn
+    from tformer_cli.runtime import load_ensemble, resolve_device
+
+    check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p, length_penalty=length_penalty,
+                         min_len=min_len, no_repeat_ngram=no_repeat_ngram, align_layer=align_layer)
+    check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
+    check_mode(accel)
+    if sample and beam_size is not None and beam_size > 1:
+        raise UsageError(f"--beam-size {beam_size} with --sample: sampling draws each token at random, not by beam "
+                         "search; drop --beam-size (--nbest N draws N samples)")
+    if json_input and texts:
+        raise UsageError("--json-input reads standard input; drop the TEXTS arguments")
+    check_text("--prefix", prefix)
+    dev = resolve_device(device or "auto")
+    amp = decoding_autocast(dev, precision)
+    loaded, models = load_ensemble(ensemble_runs(run, ensemble), dev, accel)
+    layers = min(len(model.decoder.layers) for model in models.models)
+    if align_layer is not None and align_layer > layers:
+        raise UsageError(f"--align-layer {align_layer}: the model has {layers} decoder layers")
+    limits = {"max_len_a": 0.0, "max_len_b": max_new_tokens} if max_new_tokens is not None else {}
+    options = DecodeOptions.from_config(
+        loaded.config.decode, beam_size=1 if sample else beam_size, sample=sample, temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed, nbest=nbest, length_penalty=length_penalty, min_len=min_len,
+        no_repeat_ngram=no_repeat_ngram, align_layer=(align_layer or layers) - 1 if align else None, mbr=mbr,
+        mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
+    size = batch_size or loaded.config.decode.batch_size or default_batch_size(options)
+    for text in texts or []:
+        check_text("TEXTS", text)
+    if texts:
+        inputs = ((text, prefix) for text in texts)
+    elif json_input:
+        inputs = json_lines(stdin_lines(sys.stdin.buffer), prefix)
+    else:
+        inputs = ((text, prefix) for text in stdin_lines(sys.stdin.buffer))
+    # typed at a terminal, each line is translated when it is entered; piped, lines go in batches
+    chunk_size = len(texts) if texts else 1 if _at_terminal(sys.stdin) else size
+    number = 0
+    for chunk in _chunks(inputs, chunk_size):
+        prefixes = [p or "" for _, p in chunk]
+        with amp:
+            results = translate(models, loaded.vocab, [text for text, _ in chunk], options, size, dev,
+                                prefixes if any(prefixes) else None)
+        for result in results:
+            if result.truncated:
+                warn(f"input longer than the model's {loaded.config.model.max_len} positions was truncated: "
+                     f"{result.source[:40]}…")
+            generation_lines(result, json_output, number, loaded.vocab if align else None)
+            number += 1
+
+
+def json_lines(lines, default_prefix: str | None):
+    """(text, prefix) from JSON lines {"input": TEXT, "prefix": TEXT}; a line that is not one is a
+    one-line error naming it."""
+    import json
+
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"standard input, line {number}: not JSON ({exc.msg}); --json-input reads lines like "
+                             '{"input": "text", "prefix": "start"}') from None
+        if not isinstance(record, dict) or not isinstance(record.get("input"), str) \
+                or not isinstance(record.get("prefix", ""), str):
+            raise UsageError(f'standard input, line {number}: expected {{"input": TEXT}}, optionally with '
+                             '"prefix": TEXT')
+        yield record["input"], record.get("prefix", default_prefix)
+
+
+def _at_terminal(stream) -> bool:
+    return stream.isatty()
+
+
+def _chunks(lines, size: int):
+    chunk = []
+    for line in lines:
+        chunk.append(line)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
