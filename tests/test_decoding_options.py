@@ -286,6 +286,10 @@ def test_eval_with_an_ensemble_no_repeat_ngram_and_mbr(trained_run):
     mbr = runner.invoke(app, args + ["--mbr", "4", "--mbr-metric", "bleu", "--seed", "1"])
     assert mbr.exit_code == 0, mbr.output
     assert json.loads(mbr.stdout)["mbr"] == 4
+    table = runner.invoke(app, args[:-1] + ["--ensemble", run, "--mbr", "3", "--mbr-candidates", "beam"])
+    assert table.exit_code == 0, table.output
+    title = " ".join(table.stdout.split())  # the table's title wraps at the terminal's width
+    assert "+ 1 more (ensemble) · validation · MBR over 3 beam hypotheses (chrf)" in title
 
 
 def test_decoding_mistakes_get_one_line(trained_run, tmp_path):
@@ -311,3 +315,14 @@ def test_decoding_mistakes_get_one_line(trained_run, tmp_path):
         result = runner.invoke(app, list(args), input="twenty-one\n")
         assert result.exit_code == 1 and message in result.output, (args, result.output)
         assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_epsilon_sampling_draws_only_tokens_of_at_least_that_probability():
+    from tformer_cli.decoding import _sample
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.04, 0.01], [0.02, 0.03, 0.05, 0.4, 0.5]]).repeat(2000, 1)
+    options = DecodeOptions(sample=True, epsilon=0.1)
+    drawn = _sample(probs.log(), options, torch.Generator().manual_seed(0)).view(2000, 2)
+    assert set(drawn[:, 0].tolist()) == {0, 1, 2} and set(drawn[:, 1].tolist()) == {3, 4}
+    flat = torch.full((1, 5), 0.2)  # none reaches epsilon: the most likely token stays
+    assert _sample(flat.log(), DecodeOptions(sample=True, epsilon=0.5), None).item() == 0

@@ -56,7 +56,7 @@ def test_the_readme_commands_run_as_written_on_a_run(trained_run, tmp_path, monk
     assert {c.split()[1] for c in commands} == {"eval", "generate", "inspect-attention", "count-params", "average",
                                                 "plot"}
     monkeypatch.chdir(tmp_path)  # files the commands write land here
-    for name in ("demo", "multi30k"):  # the README's run names, played by copies of the test's tiny run
+    for name in ("demo", "demo-seed2", "multi30k"):  # the README's run names, played by copies of the test's tiny run
         shutil.copytree(trained_run, tmp_path / "runs" / name)
     last = step_checkpoints(tmp_path / "runs" / "multi30k")[-1]
     for step in range(1, 6):  # enough checkpoints for `average --last 5`

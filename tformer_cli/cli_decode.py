@@ -21,9 +21,12 @@ NoRepeatOpt = Annotated[Optional[int], typer.Option(
     "--no-repeat-ngram", help="decode.no_repeat_ngram: no N-gram occurs twice in an output.")]
 MbrOpt = Annotated[int, typer.Option(
     "--mbr", help="Minimum-Bayes-risk: draw N candidates, keep the one that agrees most with the others.")]
-MbrMetricOpt = Annotated[str, typer.Option(help="chrf | bleu: the agreement --mbr maximises.", rich_help_panel=ADVANCED)]
+MbrMetricOpt = Annotated[str, typer.Option(help="chrf | bleu: the agreement --mbr maximises.",
+                                           rich_help_panel=ADVANCED)]
 MbrCandidatesOpt = Annotated[str, typer.Option(
     help="sample | beam: --mbr's candidates are N samples, or the N best of a beam search.", rich_help_panel=ADVANCED)]
+EpsilonOpt = Annotated[Optional[float], typer.Option(
+    help="Sample only tokens of at least this probability (epsilon sampling; 0.02 suits --mbr).")]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Seed for reproducible samples.")]
 
 
@@ -62,6 +65,7 @@ def eval_command(
     mbr: MbrOpt = 0,
     mbr_metric: MbrMetricOpt = "chrf",
     mbr_candidates: MbrCandidatesOpt = "sample",
+    epsilon: EpsilonOpt = None,
     seed: SeedOpt = None,
     batch_size: BatchOpt = None,
     length_penalty: AlphaOpt = None,
@@ -88,7 +92,8 @@ def eval_command(
     from tformer_cli.runtime import load_ensemble, resolve_device
 
     check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_samples=max_samples,
-                         length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram)
+                         length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram,
+                         epsilon=epsilon)
     check_mbr(mbr, mbr_metric, mbr_candidates)
     check_mode(accel)
     for path in data_files or []:
@@ -109,14 +114,16 @@ def eval_command(
                    max_samples=max_samples)
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=beam_size, length_penalty=length_penalty,
                                         min_len=min_len, no_repeat_ngram=no_repeat_ngram, mbr=mbr,
-                                        mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, seed=seed)
+                                        mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, epsilon=epsilon,
+                                        seed=seed)
     with amp:
         result = evaluate_run(models, loaded.vocab, data, split, options,
                               batch_size or loaded.config.decode.batch_size, loaded.config.train.max_tokens, dev)
     hypotheses = result.pop("hypotheses")
     if output:
         output.write_text("".join(h + "\n" for h in hypotheses))
-    result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam_size=options.beam_size, precision=precision)
+    result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam_size=options.beam_size,
+                  precision=precision)
     if len(runs) > 1:
         result["ensemble"] = [str(r) for r in runs]
     if mbr:
@@ -132,6 +139,7 @@ def generate(
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy.")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens.")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Sample from the smallest set with mass p.")] = None,
+    epsilon: EpsilonOpt = None,
     seed: SeedOpt = None,
     nbest: Annotated[int, typer.Option(help="Hypotheses per input (tab-separated in plain output).")] = 1,
     max_new_tokens: Annotated[Optional[int], typer.Option(
@@ -174,8 +182,9 @@ def generate(
     from tformer_cli.runtime import load_ensemble, resolve_device
 
     check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, length_penalty=length_penalty,
-                         min_len=min_len, no_repeat_ngram=no_repeat_ngram, align_layer=align_layer)
+                         temperature=temperature, top_k=top_k, top_p=top_p, epsilon=epsilon,
+                         length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram,
+                         align_layer=align_layer)
     check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
     check_mode(accel)
     if sample and beam_size is not None and beam_size > 1:
@@ -193,9 +202,9 @@ def generate(
     limits = {"max_len_a": 0.0, "max_len_b": max_new_tokens} if max_new_tokens is not None else {}
     options = DecodeOptions.from_config(
         loaded.config.decode, beam_size=1 if sample else beam_size, sample=sample, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed, nbest=nbest, length_penalty=length_penalty, min_len=min_len,
-        no_repeat_ngram=no_repeat_ngram, align_layer=(align_layer or layers) - 1 if align else None, mbr=mbr,
-        mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
+        top_k=top_k, top_p=top_p, epsilon=epsilon, seed=seed, nbest=nbest, length_penalty=length_penalty,
+        min_len=min_len, no_repeat_ngram=no_repeat_ngram, align_layer=(align_layer or layers) - 1 if align else None,
+        mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
     size = batch_size or loaded.config.decode.batch_size or default_batch_size(options)
     for text in texts or []:
         check_text("TEXTS", text)

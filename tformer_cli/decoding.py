@@ -7,6 +7,7 @@ position only, and drops finished sentences from the batch (and from the cache).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ class DecodeOptions:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    epsilon: float = 0.0  # sampling: tokens less likely than this are never drawn
     seed: int | None = None
     length_penalty: float = 0.6  # GNMT alpha: score / ((5 + length) / 6) ** alpha
     max_len_a: float = 1.2  # at most a * source_length + b new tokens
@@ -53,7 +55,8 @@ class DecodeOptions:
         """The search that gives minimum-Bayes-risk decoding its candidates: ``mbr`` samples, or the
         ``mbr``-best hypotheses of a beam at least that wide."""
         if self.mbr_candidates == "beam":
-            return dataclasses.replace(self, sample=False, nbest=self.mbr, beam_size=max(self.beam_size, self.mbr), mbr=0)
+            return dataclasses.replace(self, sample=False, nbest=self.mbr, beam_size=max(self.beam_size, self.mbr),
+                                       mbr=0)
         return dataclasses.replace(self, sample=True, nbest=self.mbr, beam_size=1, mbr=0)
 
 
@@ -194,11 +197,17 @@ def _generator(options: DecodeOptions, device: torch.device) -> torch.Generator 
 
 
 def _sample(log_probs: Tensor, options: DecodeOptions, generator: torch.Generator | None) -> Tensor:
-    """One token per row from softmax(logits / T), restricted to the top-k and the top-p nucleus."""
+    """One token per row from softmax(logits / T), restricted to the top-k, the top-p nucleus and the
+    tokens of probability at least epsilon (epsilon sampling, Hewitt et al. 2022; the most likely
+    token always stays)."""
     logits = log_probs / options.temperature  # (b, V)
     if options.top_k > 0:
         kth = logits.topk(min(options.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if options.epsilon > 0:
+        unlikely = log_probs < math.log(options.epsilon)
+        unlikely.scatter_(1, log_probs.argmax(dim=-1, keepdim=True), False)
+        logits = logits.masked_fill(unlikely, float("-inf"))
     if options.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)

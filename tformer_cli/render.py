@@ -185,7 +185,12 @@ def warn(message: str) -> None:
 
 
 def eval_table(result: dict[str, Any]) -> None:
-    table = Table(title=f"{result['run']} · {result['split']} · beam {result['beam_size']}", title_justify="left",
+    search = f"beam {result['beam_size']}"
+    if result.get("mbr"):
+        candidates = "samples" if result["mbr_candidates"] == "sample" else "beam hypotheses"
+        search = f"MBR over {result['mbr']} {candidates} ({result['mbr_metric']})"
+    models = f" + {len(result['ensemble']) - 1} more (ensemble)" if result.get("ensemble") else ""
+    table = Table(title=f"{result['run']}{models} · {result['split']} · {search}", title_justify="left",
                   box=box.SIMPLE_HEAD)
     table.add_column("metric")
     table.add_column("value", justify="right")
