@@ -326,3 +326,11 @@ def test_epsilon_sampling_draws_only_tokens_of_at_least_that_probability():
     assert set(drawn[:, 0].tolist()) == {0, 1, 2} and set(drawn[:, 1].tolist()) == {3, 4}
     flat = torch.full((1, 5), 0.2)  # none reaches epsilon: the most likely token stays
     assert _sample(flat.log(), DecodeOptions(sample=True, epsilon=0.5), None).item() == 0
+
+
+def test_mbr_samples_are_epsilon_samples_unless_epsilon_is_set():
+    assert DecodeOptions(mbr=8).candidates().epsilon == 0.02
+    assert DecodeOptions(mbr=8, epsilon=0.0).candidates().epsilon == 0.0
+    assert DecodeOptions(mbr=8, epsilon=0.1).candidates().epsilon == 0.1
+    beam = DecodeOptions(mbr=8, mbr_candidates="beam", beam_size=4).candidates()
+    assert (beam.sample, beam.beam_size, beam.nbest, beam.mbr) == (False, 8, 8, 0)

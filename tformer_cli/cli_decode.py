@@ -26,7 +26,7 @@ MbrMetricOpt = Annotated[str, typer.Option(help="chrf | bleu: the agreement --mb
 MbrCandidatesOpt = Annotated[str, typer.Option(
     help="sample | beam: --mbr's candidates are N samples, or the N best of a beam search.", rich_help_panel=ADVANCED)]
 EpsilonOpt = Annotated[Optional[float], typer.Option(
-    help="Sample only tokens of at least this probability (epsilon sampling; 0.02 suits --mbr).")]
+    help="Sample only tokens of at least this probability (default: 0, off; 0.02 for --mbr's samples).")]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Seed for reproducible samples.")]
 
 

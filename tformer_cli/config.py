@@ -138,7 +138,7 @@ class DecodeConfig:
     temperature: float = 1.0  # sampling (generate --sample)
     top_k: int = 0  # sampling: only the k most likely tokens; 0: all
     top_p: float = 1.0  # sampling: the smallest set of tokens with this mass
-    epsilon: float = 0.0  # sampling: only tokens of at least this probability (epsilon sampling; 0.02 suits MBR)
+    epsilon: Optional[float] = None  # sampling: only tokens of at least this probability; null: 0 (off), 0.02 for MBR
 
 
 # The range of each decode setting, for the config check and for the same flags of `eval` and `generate`.
@@ -151,7 +151,7 @@ DECODE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "temperature": (lambda v: v >= 0, ">= 0"),
     "top_k": (lambda v: v >= 0, ">= 0 (0: no limit)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "epsilon": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "epsilon": (lambda v: v is None or 0 <= v < 1, "in [0, 1) or null"),
 }
 
 
