@@ -214,6 +214,7 @@ def test_expected_utility_is_the_mean_sacrebleu_sentence_score_against_every_can
     assert expected_utilities(candidates, metric) == pytest.approx(expected)
     order, utilities = rank(candidates, metric)
     assert candidates[order[0]] == "a man rides a bike" and utilities == sorted(utilities, reverse=True)
+    assert sorted(order) == [0, 1, 3, 4]  # each distinct candidate once, at its first occurrence
 
 
 def test_mbr_translation_is_the_sampled_candidate_of_highest_expected_utility():

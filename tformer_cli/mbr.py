@@ -42,8 +42,11 @@ def expected_utilities(candidates: list[str], metric) -> list[float]:
 
 
 def rank(candidates: list[str], metric) -> tuple[list[int], list[float]]:
-    """Candidate indices by expected utility, highest first (ties keep the search's order), and the
-    utilities in that order."""
+    """The distinct candidates by expected utility, highest first, as indices of their first
+    occurrence (ties keep the search's order), and their utilities."""
     utilities = expected_utilities(candidates, metric)
-    order = sorted(range(len(candidates)), key=lambda i: -utilities[i])
+    first = {}
+    for i, candidate in enumerate(candidates):
+        first.setdefault(candidate, i)
+    order = sorted(first.values(), key=lambda i: -utilities[i])
     return order, [utilities[i] for i in order]
