@@ -93,6 +93,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the loss and model
     accel: Literal["auto", "off"] = "auto"  # the speed layer (tformer_cli/accel): auto where it pays, off: plain
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (ddp), or shard it (fsdp)
+    tensorboard: bool = False  # also log the figures to RUN/tensorboard/ (pip install 'tformer[tensorboard]')
     max_tokens: int = 4096  # padded tokens (source or target, the larger) per batch
     grad_accum: int = 1  # batches per optimizer step
     optimizer: Literal["adam", "adamw"] = "adam"  # adam, or adamw (decoupled weight decay)

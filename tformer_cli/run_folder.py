@@ -18,9 +18,11 @@ WEIGHTS = "model.safetensors"  # the run's best (or latest) weights, and each ch
 METRICS = "metrics.jsonl"  # every logged figure
 CHECKPOINTS = "checkpoints"  # step-N/ (WEIGHTS, TRAINER), ema/, average-*/
 TRAINER = "trainer.pt"  # optimizer, step, data position, RNG state
+TENSORBOARD = "tensorboard"  # TensorBoard's event files, under train.tensorboard
 _TOP = {MARKER, CONFIG, WEIGHTS, METRICS, JOINT_FILE, SOURCE_FILE, TARGET_FILE, "curves.png"}
 _CHECKPOINT_FILES = {WEIGHTS, TRAINER}
 _CHECKPOINT_FOLDER = re.compile(r"step-\d{8}|ema|average-[\w.-]+")
+_EVENT_FILE = re.compile(r"events\.out\.tfevents\.[\w.-]+")
 _WRITERS_TEMPORARY = re.compile(r"\.tmp\w{6,}")  # safetensors' own, beside a file it was killed writing
 
 
@@ -45,6 +47,9 @@ def foreign_files(run_dir: Path) -> list[Path]:
     for path in sorted(run_dir.iterdir()):
         if path.name == CHECKPOINTS and path.is_dir() and not path.is_symlink():
             foreign += _foreign_checkpoints(path)
+        elif path.name == TENSORBOARD and path.is_dir() and not path.is_symlink():
+            foreign += [f for f in sorted(path.iterdir()) if not (_EVENT_FILE.fullmatch(f.name) and f.is_file()
+                                                                  and not f.is_symlink())]
         elif not _is_own_file(path, _TOP):
             foreign.append(path)
     return foreign

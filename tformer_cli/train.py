@@ -36,6 +36,8 @@ from tformer_cli.run_folder import CHECKPOINTS, METRICS, WEIGHTS
 from tformer_cli.runtime import (
     autocast, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint, save_run_files,
     save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints)
+from tformer_cli.tensorboard import TensorBoard
+from tformer_cli.tensorboard import check_available as check_tensorboard
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 Callback = Callable[[str, dict[str, Any]], None]
@@ -182,12 +184,16 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     if workers.size > 1 and config.data.bpe_dropout:
         raise UsageError("data.bpe_dropout needs a single process: each process would draw its own "
                          "segmentation and their batches would differ; set data.bpe_dropout=0")
+    if cfg.tensorboard:
+        check_tensorboard()  # before any data is loaded
     device = resolve_device(cfg.device)
     resume = resume and bool(step_checkpoints(run_dir))  # a run stopped before its first checkpoint starts anew
     signals = _StopSignals()
     with signals.during_setup():
         setup = _Setup(config, run_dir, resume, device, notify, workers)
     model, optimizer, state, data = setup.model, setup.optimizer, setup.state, _epoch_split(setup)
+    setup.log = MetricsLog(run_dir, TensorBoard(run_dir, state.step + 1 if resume else None)
+                           if cfg.tensorboard and workers.main else None)
     if state.processes != workers.size:  # resumed by another number of processes: same place in the epoch
         state.batch_in_epoch = math.ceil(state.batch_in_epoch * state.processes / workers.size)
         state.processes = workers.size
@@ -249,7 +255,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 window["loss"] += nll_sum
                 window["tokens"] += group_tokens
                 if state.step % cfg.log_every == 0:  # callback
-                    _log(notify, run_dir, state, window, lr, total_steps, workers, model)
+                    _log(notify, setup.log, state, window, lr, total_steps, workers, model)
                 stop_reason = _stop_reason(cfg, state)
                 paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
                 if setup.validates and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
@@ -267,8 +273,25 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                     data = _epoch_split(setup)  # the next epoch's segmentation
         if stop_reason == "interrupted" and setup.saved_step != state.step:
             _checkpoint(setup, notify)  # at a step boundary, so that a resume continues exactly
+    setup.log.close()
     notify("end", {"state": asdict(state), "stop_reason": stop_reason, "last_eval": last_eval})
     return TrainResult(run_dir, state, stop_reason, last_eval, signals.received)
+
+
+class MetricsLog:
+    """Where rank 0 logs figures: metrics.jsonl, and TensorBoard's copy under train.tensorboard."""
+
+    def __init__(self, run_dir: Path, board: TensorBoard | None = None) -> None:
+        self.path, self.board = run_dir / METRICS, board
+
+    def write(self, split: str, record: dict[str, Any]) -> None:
+        append_jsonl(self.path, {"split": split, **record})
+        if self.board is not None:
+            self.board.write(split, record)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
 
 def _epoch_split(setup: _Setup) -> EncodedSplit:
@@ -365,7 +388,7 @@ def _stop_reason(cfg: TrainConfig, state: TrainState) -> str | None:
     return None
 
 
-def _log(notify: Callback, run_dir: Path, state: TrainState, window: dict, lr: float, total: int | None,
+def _log(notify: Callback, log: "MetricsLog", state: TrainState, window: dict, lr: float, total: int | None,
          workers: Workers, model: torch.nn.Module) -> None:
     now = time.perf_counter()
     nll_sum, = workers.sum(float(window["loss"]))  # the one host sync per log interval; window tokens: all's
@@ -374,7 +397,7 @@ def _log(notify: Callback, run_dir: Path, state: TrainState, window: dict, lr: f
               "tokens_per_s": window["tokens"] / max(now - window["start"], 1e-9), "elapsed": state.elapsed,
               "total_steps": total}
     if workers.main:
-        append_jsonl(run_dir / METRICS, {"split": "train", **record})
+        log.write("train", record)
     notify("step", record)
     window.update(loss=0.0, tokens=0, start=now)
     _check_finite(model, state.step, workers, loss)
@@ -399,7 +422,7 @@ def _evaluate(setup: _Setup, state: TrainState, notify: Callback) -> dict[str, A
     record["best"] = improved
     state.history.append(record)
     if main:
-        append_jsonl(setup.run_dir / METRICS, {"split": "validation", **record})
+        setup.log.write("validation", record)
     notify("eval", record)
     return record
 
