@@ -30,7 +30,7 @@ COMMANDS = sorted(typer.main.get_command(app).commands)
 def test_help_lists_every_command():
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    assert COMMANDS == ["average", "count-params", "eval", "generate", "inspect-attention", "plot", "train"]
+    assert COMMANDS == ["average", "count-params", "eval", "export", "generate", "inspect-attention", "plot", "train"]
     for command in COMMANDS:
         assert command in result.output
 

@@ -54,7 +54,7 @@ def test_the_readme_commands_run_as_written_on_a_run(trained_run, tmp_path, monk
 
     commands = _readme_commands()
     assert {c.split()[1] for c in commands} == {"eval", "generate", "inspect-attention", "count-params", "average",
-                                                "plot"}
+                                                "plot", "export"}
     monkeypatch.chdir(tmp_path)  # files the commands write land here
     for name in ("demo", "demo-seed2", "multi30k"):  # the README's run names, played by copies of the test's tiny run
         shutil.copytree(trained_run, tmp_path / "runs" / name)

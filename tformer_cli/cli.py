@@ -16,7 +16,7 @@ from tformer_cli import __version__
 from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
     ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, QuietOpt, RunArg, SetOpt, check_image_name, check_text)
-from tformer_cli.errors import Interrupted, TformerError, UsageError
+from tformer_cli.errors import Interrupted, TformerError, UsageError, first_line
 
 
 class _ErrorBoundary(TyperGroup):
@@ -254,6 +254,50 @@ def plot(
     check_image_name("--output", path)
     plot_curves(read_metrics(run), path, title=str(run))
     console.print(f"saved {path}", highlight=False)
+
+
+@app.command()
+def export(
+    run: RunArg,
+    out: Annotated[Path, typer.Argument(help="A new folder for the exported model.")],
+    to: Annotated[str, typer.Option("--to", help="hf: a Hugging Face MarianMTModel folder.")] = "hf",
+    push_to_hub: Annotated[Optional[str], typer.Option(
+        metavar="REPO", help="Also upload the folder to this Hub repository (needs `huggingface-cli login`).")] = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Export a trained model for use outside tformer.
+
+    [dim]Examples:[/]
+      tformer export runs/multi30k runs/multi30k-hf --to hf
+      tformer export runs/multi30k runs/multi30k-hf --push-to-hub me/multi30k-de-en
+    """
+    from tformer_cli.export import export_hf
+    from tformer_cli.render import console, print_json
+    from tformer_cli.runtime import load_run
+
+    if to != "hf":
+        raise UsageError(f"--to {to}: expected hf (a Hugging Face MarianMTModel folder)")
+    loaded = load_run(run, "cpu", accel="off")
+    folder = export_hf(loaded.model, loaded.config, loaded.vocab, out)
+    if push_to_hub:
+        _push(folder, push_to_hub)
+    if json_output:
+        print_json({"folder": str(folder), "format": to, "pushed_to": push_to_hub})
+    else:
+        console.print(f"exported {loaded.weights} -> {folder}" + (f" (and {push_to_hub} on the Hub)" if push_to_hub
+                                                                  else ""), highlight=False)
+
+
+def _push(folder: Path, repo: str) -> None:
+    """Upload an exported folder to a Hub model repository (created if missing)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo, exist_ok=True)
+        api.upload_folder(repo_id=repo, folder_path=str(folder))
+    except Exception as exc:  # offline, not logged in, no rights: the hub client's own errors
+        raise UsageError(f"--push-to-hub {repo}: {first_line(exc)}; the export is in {folder}") from None
 
 
 @app.command("count-params")

@@ -1,0 +1,85 @@
+"""`tformer export --to hf`: the Marian model that transformers loads gives tformer's logits and outputs."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import tiny_model_config
+from tformer_cli.cli import app
+from tformer_cli.config import Config
+from tformer_cli.data import pad_sequences
+from tformer_cli.decoding import DecodeOptions, translate
+from tformer_cli.errors import UsageError
+from tformer_cli.export import check_marian, marian_config, marian_state_dict
+from tformer_cli.model import build_model
+from tformer_cli.runtime import load_run
+
+transformers = pytest.importorskip("transformers")
+runner = CliRunner()
+TEXTS = ["twenty-one", "three hundred forty-two thousand fifteen", "seven", "nine hundred ninety"]
+
+
+def _logits(model, marian, src, tgt_in):
+    with torch.no_grad():
+        ours = model(src, tgt_in)
+        theirs = marian(input_ids=src, attention_mask=(src != 0).long(), decoder_input_ids=tgt_in,
+                        decoder_attention_mask=(tgt_in != 0).long()).logits
+    real = tgt_in != 0
+    return ours[real], theirs[real]
+
+
+@pytest.mark.parametrize("bias, activation", [(False, "relu"), (True, "gelu")])
+def test_the_marian_weights_give_tformers_teacher_forced_logits(bias, activation):
+    config = Config(model=tiny_model_config(attention_bias=bias, activation=activation))
+    model = build_model(config.model, 40).eval()
+    if bias:  # biases trained away from zero, so that their placement is tested
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(std=0.1)
+    marian = transformers.MarianMTModel(transformers.MarianConfig(**marian_config(config, 40))).eval()
+    missing, unexpected = marian.load_state_dict(marian_state_dict(model, config.model.d_model), strict=False)
+    assert not unexpected and all("embed_positions" in name for name in missing)
+    src = torch.randint(4, 40, (3, 9))
+    src[1, 5:], src[:, -1] = 0, 2
+    tgt_in = torch.randint(4, 40, (3, 7))
+    tgt_in[:, 0], tgt_in[2, 4:] = 1, 0
+    ours, theirs = _logits(model, marian, src, tgt_in)
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+
+
+def test_an_exported_run_loads_in_transformers_and_translates_as_tformer_does(trained_run, tmp_path):
+    out = tmp_path / "hf"
+    result = runner.invoke(app, ["export", str(trained_run), str(out), "--to", "hf", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["folder"] == str(out)
+    run = load_run(trained_run, accel="off")
+    marian = transformers.MarianMTModel.from_pretrained(out).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer(TEXTS)["input_ids"] == run.vocab.encode_sources(TEXTS)  # EOS appended, as tformer does
+    src = pad_sequences(run.vocab.encode_sources(TEXTS))
+    targets = pad_sequences(run.vocab.encode_targets(["einundzwanzig", "sieben", "neunhundert", "zwei"]))
+    ours, theirs = _logits(run.model, marian, src, targets[:, :-1])
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+    expected = translate(run.model, run.vocab, TEXTS, DecodeOptions(max_len_a=0, max_len_b=12))
+    batch = tokenizer(TEXTS, return_tensors="pt", padding=True)
+    generated = marian.generate(**batch, num_beams=1, do_sample=False, max_new_tokens=12)
+    assert tokenizer.batch_decode(generated, skip_special_tokens=True) == [r.outputs[0][0] for r in expected]
+
+
+def test_what_marian_cannot_express_is_refused_in_one_line(trained_run, tmp_path):
+    run = load_run(trained_run, accel="off")
+    for key, value, named in (("norm", "pre", "model.norm pre"), ("positional", "rope", "model.positional rope"),
+                              ("share_embeddings", "decoder", "model.share_embeddings decoder")):
+        config = Config(model=tiny_model_config(**{key: value}))
+        with pytest.raises(UsageError, match=named):
+            check_marian(config, run.vocab)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    result = runner.invoke(app, ["export", str(trained_run), str(tmp_path / "taken")])
+    assert result.exit_code == 1 and "not an empty folder" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+    other = runner.invoke(app, ["export", str(trained_run), str(tmp_path / "x"), "--to", "onnx"])
+    assert other.exit_code == 1 and "--to onnx" in other.output
