@@ -83,3 +83,46 @@ def test_what_marian_cannot_express_is_refused_in_one_line(trained_run, tmp_path
     assert len(result.output.strip().splitlines()) == 1 and (tmp_path / "taken" / "keep.txt").read_text() == "mine"
     other = runner.invoke(app, ["export", str(trained_run), str(tmp_path / "x"), "--to", "onnx"])
     assert other.exit_code == 1 and "--to onnx" in other.output
+
+
+def _ct2_greedy(folder, vocab, texts, steps):
+    import ctranslate2
+
+    translator = ctranslate2.Translator(str(folder), device="cpu")
+    tokens = [vocab.source_tokens(ids[:-1]) for ids in vocab.encode_sources(texts)]  # CTranslate2 adds EOS
+    results = translator.translate_batch(tokens, beam_size=1, max_decoding_length=steps)
+    return [[vocab.target.token_to_id(t) for t in r.hypotheses[0]] for r in results]
+
+
+def test_a_ctranslate2_export_decodes_as_tformer_does(trained_run, tmp_path):
+    pytest.importorskip("ctranslate2")
+    out = tmp_path / "ct2"
+    result = runner.invoke(app, ["export", str(trained_run), str(out), "--to", "ctranslate2"])
+    assert result.exit_code == 0, result.output
+    run = load_run(trained_run, accel="off")
+    expected = translate(run.model, run.vocab, TEXTS, DecodeOptions(max_len_a=0, max_len_b=12))
+    assert _ct2_greedy(out, run.vocab, TEXTS, 12) == [r.outputs[0][1].tokens for r in expected]
+    int8 = runner.invoke(app, ["export", str(trained_run), str(tmp_path / "int8"), "--to", "ctranslate2",
+                               "--quantization", "int8"])
+    assert int8.exit_code == 0, int8.output
+    assert len(_ct2_greedy(tmp_path / "int8", run.vocab, TEXTS, 12)) == len(TEXTS)
+
+
+@pytest.mark.parametrize("options", [dict(norm="pre", activation="gelu", attention_bias=True, positional="learned"),
+                                     dict(norm="post", activation="relu", attention_bias=True)])
+def test_ctranslate2_carries_pre_ln_gelu_biases_and_learned_positions(options, tmp_path):
+    pytest.importorskip("ctranslate2")
+    from tformer_cli.export import export_ctranslate2
+    from tformer_cli.tokenizer import Vocabulary
+
+    vocab = Vocabulary.train([("a b c d e f g h", "a b c d e f g h")] * 3, vocab_size=40, min_frequency=1)
+    config = Config(model=tiny_model_config(**options))
+    model = build_model(config.model, vocab.src_size).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    export_ctranslate2(model, config, vocab, tmp_path / "ct2")
+    texts = ["a b c", "h g f e d", "c"]
+    expected = translate(model, vocab, texts, DecodeOptions(max_len_a=0, max_len_b=10))
+    assert _ct2_greedy(tmp_path / "ct2", vocab, texts, 10) == [r.outputs[0][1].tokens for r in expected]

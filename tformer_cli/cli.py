@@ -260,29 +260,40 @@ def plot(
 def export(
     run: RunArg,
     out: Annotated[Path, typer.Argument(help="A new folder for the exported model.")],
-    to: Annotated[str, typer.Option("--to", help="hf: a Hugging Face MarianMTModel folder.")] = "hf",
+    to: Annotated[str, typer.Option(
+        "--to", help="hf: a Hugging Face MarianMTModel folder; ctranslate2: a CTranslate2 model.")] = "hf",
+    quantization: Annotated[Optional[str], typer.Option(
+        help="ctranslate2: int8 | int8_float16 | int8_bfloat16 | float16 | bfloat16 (default: float32).")] = None,
     push_to_hub: Annotated[Optional[str], typer.Option(
-        metavar="REPO", help="Also upload the folder to this Hub repository (needs `huggingface-cli login`).")] = None,
+        metavar="REPO", help="hf: also upload the folder to this Hub repository (needs `hf auth login`).")] = None,
     json_output: JsonOpt = False,
 ) -> None:
-    """Export a trained model for use outside tformer.
+    """Export a trained model for use outside tformer: Hugging Face transformers, or CTranslate2.
 
     [dim]Examples:[/]
       tformer export runs/multi30k runs/multi30k-hf --to hf
       tformer export runs/multi30k runs/multi30k-hf --push-to-hub me/multi30k-de-en
+      tformer export runs/multi30k runs/multi30k-ct2 --to ctranslate2 --quantization int8
     """
-    from tformer_cli.export import export_hf
+    from tformer_cli.export import export_ctranslate2, export_hf
     from tformer_cli.render import console, print_json
     from tformer_cli.runtime import load_run
 
-    if to != "hf":
-        raise UsageError(f"--to {to}: expected hf (a Hugging Face MarianMTModel folder)")
+    if to not in ("hf", "ctranslate2"):
+        raise UsageError(f"--to {to}: expected hf (a Hugging Face MarianMTModel folder) or ctranslate2")
+    if quantization is not None and to != "ctranslate2":
+        raise UsageError(f"--quantization {quantization}: only --to ctranslate2 quantizes")
+    if push_to_hub and to != "hf":
+        raise UsageError("--push-to-hub: only --to hf exports a Hub model")
     loaded = load_run(run, "cpu", accel="off")
-    folder = export_hf(loaded.model, loaded.config, loaded.vocab, out)
+    if to == "hf":
+        folder = export_hf(loaded.model, loaded.config, loaded.vocab, out)
+    else:
+        folder = export_ctranslate2(loaded.model, loaded.config, loaded.vocab, out, quantization)
     if push_to_hub:
         _push(folder, push_to_hub)
     if json_output:
-        print_json({"folder": str(folder), "format": to, "pushed_to": push_to_hub})
+        print_json({"folder": str(folder), "format": to, "quantization": quantization, "pushed_to": push_to_hub})
     else:
         console.print(f"exported {loaded.weights} -> {folder}" + (f" (and {push_to_hub} on the Hub)" if push_to_hub
                                                                   else ""), highlight=False)

@@ -129,10 +129,7 @@ def export_hf(model: torch.nn.Module, config: Config, vocab: Vocabulary, out: Pa
     from tokenizers import processors
 
     check_marian(config, vocab)
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"{out}: exists and is not an empty folder; name a new folder for the export")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _new_folder(out)
     save_file(marian_state_dict(model, config.model.d_model), str(out / "model.safetensors"), {"format": "pt"})
     (out / "config.json").write_text(json.dumps(marian_config(config, vocab.src_size), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation_config(config), indent=2) + "\n")
@@ -143,4 +140,93 @@ def export_hf(model: torch.nn.Module, config: Config, vocab: Vocabulary, out: Pa
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
         "unk_token": UNK, "model_max_length": config.model.max_len}, indent=2) + "\n")
+    return out
+
+
+QUANTIZATIONS = ("int8", "int8_float16", "int8_float32", "int8_bfloat16", "float16", "bfloat16")
+
+
+def export_ctranslate2(model: torch.nn.Module, config: Config, vocab: Vocabulary, out: Path,
+                       quantization: str | None = None) -> Path:
+    """Write a CTranslate2 model folder ``out`` through CTranslate2's spec API (its Marian converter
+    would start the decoder from a zero embedding; tformer's decoder starts from BOS). The spec is
+    OpenNMT's Transformer, whose layout tformer shares: fused Q/K/V, interleaved position tables,
+    post- or pre-LN. Sources get EOS appended by CTranslate2 itself (``add_source_eos``), so callers
+    pass the tokenizer's tokens as they are; tokenizer.json is copied beside the model for them."""
+    try:
+        from ctranslate2.specs import common_spec, transformer_spec
+    except ImportError:
+        raise UsageError("--to ctranslate2: the ctranslate2 package is not installed; pip install "
+                         "'tformer[ctranslate2]'") from None
+    m = config.model
+    if m.positional not in ("sinusoidal", "learned"):
+        raise UsageError(f"--to ctranslate2: model.positional {m.positional}: CTranslate2's encoder-decoder "
+                         "Transformer takes position tables only (sinusoidal or learned)")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise UsageError(f"--quantization {quantization}: expected one of {', '.join(QUANTIZATIONS)}")
+    out = _new_folder(out)
+    activation = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU}[m.activation]
+    spec = transformer_spec.TransformerSpec.from_config((m.num_encoder_layers, m.num_decoder_layers), m.num_heads,
+                                                        pre_norm=m.norm == "pre", activation=activation)
+
+    def tensor(t: Tensor) -> Tensor:
+        return t.detach().float().contiguous()
+
+    def linear(target, layer: torch.nn.Linear) -> None:
+        target.weight = tensor(layer.weight)
+        if layer.bias is not None:
+            target.bias = tensor(layer.bias)
+
+    def layer_norm(target, norm: torch.nn.LayerNorm) -> None:
+        target.gamma, target.beta = tensor(norm.weight), tensor(norm.bias)
+
+    def inputs(target, stack: torch.nn.Module) -> None:
+        embed = stack.embed
+        table = embed.table if embed.table is not None else embed.learned.weight
+        target.position_encodings.encodings = tensor(table)
+        target.scale_embeddings = True
+        embeddings = target.embeddings[0] if isinstance(target.embeddings, list) else target.embeddings
+        embeddings.weight = tensor(embed.embedding.weight)
+        if m.norm == "pre":
+            layer_norm(target.layer_norm, stack.final_norm)
+
+    def ffn(target, layer: torch.nn.Module, norm: torch.nn.LayerNorm) -> None:
+        linear(target.linear_0, layer.linear1)
+        linear(target.linear_1, layer.linear2)
+        layer_norm(target.layer_norm, norm)
+
+    inputs(spec.encoder, model.encoder)
+    for target, layer in zip(spec.encoder.layer, model.encoder.layers):
+        linear(target.self_attention.linear[0], layer.self_attn.qkv_proj)
+        linear(target.self_attention.linear[1], layer.self_attn.out_proj)
+        layer_norm(target.self_attention.layer_norm, layer.norm1)
+        ffn(target.ffn, layer.ffn, layer.norm2)
+    inputs(spec.decoder, model.decoder)
+    for target, layer in zip(spec.decoder.layer, model.decoder.layers):
+        linear(target.self_attention.linear[0], layer.self_attn.qkv_proj)
+        linear(target.self_attention.linear[1], layer.self_attn.out_proj)
+        layer_norm(target.self_attention.layer_norm, layer.norm1)
+        linear(target.attention.linear[0], layer.cross_attn.q_proj)
+        linear(target.attention.linear[1], layer.cross_attn.kv_proj)
+        linear(target.attention.linear[2], layer.cross_attn.out_proj)
+        layer_norm(target.attention.layer_norm, layer.norm2)
+        ffn(target.ffn, layer.ffn, layer.norm3)
+    spec.decoder.projection.weight = tensor(model.output_proj.weight)
+    spec.config.layer_norm_epsilon = m.layer_norm_eps
+    spec.config.add_source_eos = True
+    spec.config.decoder_start_token = BOS
+    spec.register_source_vocabulary(vocab.source_tokens(list(range(vocab.src_size))))
+    spec.register_target_vocabulary(vocab.target_tokens(list(range(vocab.tgt_size))))
+    spec.validate()
+    spec.optimize(quantization=quantization)
+    spec.save(str(out))
+    vocab.save(out)  # the tokenizer(s), for callers to turn text into tokens and back
+    return out
+
+
+def _new_folder(out: Path) -> Path:
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out}: exists and is not an empty folder; name a new folder for the export")
+    out.mkdir(parents=True, exist_ok=True)
     return out
