@@ -7,8 +7,8 @@
 
 For each workload and size, the systems run alternately in one fresh process, several timed
 repetitions after warm-up; the table gives medians, min-max and tformer's ratio to the best peer.
-Peers: torch's nn.Transformer (a), Hugging Face MarianMTModel (b), x-transformers (c); install them
-with `pip install -e '.[bench]'`.
+Peers: torch's nn.Transformer (a), Hugging Face MarianMTModel (b), x-transformers (c), and for
+decoding CTranslate2 in float32 (d) and with int8 weights (e); install them with `pip install -e '.[bench]'`.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _autocast(device: torch.device):
 def _systems(size, device, peers: list[str]) -> list:
     systems = [Tformer(SIZES[size], device)]
     for key in peers:
-        for fused in (False, True):
+        for fused in (False, True) if PEERS[key].supports_train else (False,):  # fused AdamW: training only
             systems.append(PEERS[key](SIZES[size], device, fused=fused))
     return systems
 
@@ -117,6 +117,7 @@ def train_flops_per_step(size_name: str, target_tokens: int) -> float:
 def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, train_batch: int = 64) -> list[dict]:
     systems = _systems(size, device, peers)
     if workload == "train":
+        systems = [s for s in systems if s.supports_train]
         batch = make_batch(SIZES[size], train_batch, 24, device)
         rates = _alternate(systems, lambda s: s.train_step(batch), batch.target_tokens, device, repeats, warmup)
         unit, flops = "target tok/s", train_flops_per_step(size, batch.target_tokens) / batch.target_tokens
@@ -207,7 +208,7 @@ def run_memory(size: str, device, peers, repeats: int = 3) -> list[dict]:
     """Each system's peak in ``repeats`` fresh processes: a CPU peak moves by tens of MiB between runs."""
     records = []
     unit = "MiB CUDA peak" if device.type == "cuda" else "MiB peak RSS"
-    for key in ["tformer", *peers]:
+    for key in ["tformer", *(p for p in peers if PEERS[p].supports_train)]:  # the peak of training steps
         peaks = []
         for _ in range(repeats):
             out = subprocess.run([sys.executable, __file__, "--probe-memory", key, size, device.type, PRECISION,

@@ -67,6 +67,7 @@ def _adam(params, fused: bool):
 class System:
     name = "system"
     supports_beam = False
+    supports_train = True
     model: nn.Module
     optimizer: torch.optim.Optimizer
     vocab: int
@@ -255,8 +256,59 @@ class XTransformers(System):
         return self.model.generate(src, start, new_tokens, mask=src != PAD, temperature=0.0, cache_kv=True)
 
 
-PEERS = {"torch": TorchBuiltin, "marian": Marian, "xtransformers": XTransformers}
-LIBRARIES = {"tformer": "tformer_cli", "torch": "torch", "marian": "transformers", "xtransformers": "x_transformers"}
+class CTranslate2(System):
+    """(d) CTranslate2, decoding only: tformer's random weights converted as `tformer export --to
+    ctranslate2` converts them, run in float32 (or int8 weights, below) on the same threads."""
+
+    supports_beam = True
+    supports_train = False
+    compute_type = "float32"
+
+    def __init__(self, size: Size, device: torch.device, fused: bool = False) -> None:
+        import tempfile
+
+        import ctranslate2
+
+        from tformer_cli.config import ModelConfig
+        from tformer_cli.export import ctranslate2_spec
+        from tformer_cli.model import build_model
+
+        self.name = f"CTranslate2 {self.compute_type}" + (" +fused AdamW" if fused else "")
+        cfg = ModelConfig(d_model=size.d_model, num_heads=size.heads, num_encoder_layers=size.layers,
+                          num_decoder_layers=size.layers, d_ff=size.d_ff, max_len=256)
+        tokens = [f"t{i}" for i in range(size.vocab)]
+        tokens[:4] = ["<pad>", "<s>", "</s>", "<unk>"]
+        spec = ctranslate2_spec(build_model(cfg, size.vocab).eval(), cfg, tokens, tokens)
+        spec.validate()
+        spec.optimize(quantization=None if self.compute_type == "float32" else self.compute_type)
+        self.folder = tempfile.TemporaryDirectory()
+        spec.save(self.folder.name)
+        self.translator = ctranslate2.Translator(self.folder.name, device=device.type, compute_type=self.compute_type,
+                                                 intra_threads=torch.get_num_threads())
+        self.tokens = tokens
+
+    def _translate(self, src, new_tokens, beams):
+        batch = [[self.tokens[i] for i in row if i not in (PAD, EOS)] for row in src.tolist()]  # it adds EOS
+        return self.translator.translate_batch(batch, beam_size=beams, max_decoding_length=new_tokens,
+                                               min_decoding_length=new_tokens, max_batch_size=len(batch))
+
+    def greedy(self, src, new_tokens):
+        return self._translate(src, new_tokens, 1)
+
+    def beam(self, src, new_tokens, beams):
+        return self._translate(src, new_tokens, beams)
+
+
+class CTranslate2Int8(CTranslate2):
+    """(e) CTranslate2 with int8 weights (its int8 CPU kernels)."""
+
+    compute_type = "int8"
+
+
+PEERS = {"torch": TorchBuiltin, "marian": Marian, "xtransformers": XTransformers, "ct2": CTranslate2,
+         "ct2-int8": CTranslate2Int8}
+LIBRARIES = {"tformer": "tformer_cli", "torch": "torch", "marian": "transformers", "xtransformers": "x_transformers",
+             "ct2": "ctranslate2", "ct2-int8": "ctranslate2"}
 
 
 def available_peers() -> dict[str, type]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tformer_cli.config import Config
+from tformer_cli.config import Config, ModelConfig
 from tformer_cli.errors import UsageError
 from tformer_cli.tokenizer import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, UNK, Vocabulary
 
@@ -153,11 +153,11 @@ def export_ctranslate2(model: torch.nn.Module, config: Config, vocab: Vocabulary
     OpenNMT's Transformer, whose layout tformer shares: fused Q/K/V, interleaved position tables,
     post- or pre-LN. Sources get EOS appended by CTranslate2 itself (``add_source_eos``), so callers
     pass the tokenizer's tokens as they are; tokenizer.json is copied beside the model for them."""
-    try:
-        from ctranslate2.specs import common_spec, transformer_spec
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("ctranslate2") is None:
         raise UsageError("--to ctranslate2: the ctranslate2 package is not installed; pip install "
-                         "'tformer[ctranslate2]'") from None
+                         "'tformer[ctranslate2]'")
     m = config.model
     if m.positional not in ("sinusoidal", "learned"):
         raise UsageError(f"--to ctranslate2: model.positional {m.positional}: CTranslate2's encoder-decoder "
@@ -165,6 +165,19 @@ def export_ctranslate2(model: torch.nn.Module, config: Config, vocab: Vocabulary
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise UsageError(f"--quantization {quantization}: expected one of {', '.join(QUANTIZATIONS)}")
     out = _new_folder(out)
+    spec = ctranslate2_spec(model, m, vocab.source_tokens(list(range(vocab.src_size))),
+                            vocab.target_tokens(list(range(vocab.tgt_size))))
+    spec.validate()
+    spec.optimize(quantization=quantization)
+    spec.save(str(out))
+    vocab.save(out)  # the tokenizer(s), for callers to turn text into tokens and back
+    return out
+
+
+def ctranslate2_spec(model: torch.nn.Module, m: ModelConfig, source_tokens: list[str], target_tokens: list[str]):
+    """The ``ctranslate2.specs.TransformerSpec`` of a tformer model, its vocabularies registered."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
     activation = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU}[m.activation]
     spec = transformer_spec.TransformerSpec.from_config((m.num_encoder_layers, m.num_decoder_layers), m.num_heads,
                                                         pre_norm=m.norm == "pre", activation=activation)
@@ -215,13 +228,9 @@ def export_ctranslate2(model: torch.nn.Module, config: Config, vocab: Vocabulary
     spec.config.layer_norm_epsilon = m.layer_norm_eps
     spec.config.add_source_eos = True
     spec.config.decoder_start_token = BOS
-    spec.register_source_vocabulary(vocab.source_tokens(list(range(vocab.src_size))))
-    spec.register_target_vocabulary(vocab.target_tokens(list(range(vocab.tgt_size))))
-    spec.validate()
-    spec.optimize(quantization=quantization)
-    spec.save(str(out))
-    vocab.save(out)  # the tokenizer(s), for callers to turn text into tokens and back
-    return out
+    spec.register_source_vocabulary(source_tokens)
+    spec.register_target_vocabulary(target_tokens)
+    return spec
 
 
 def _new_folder(out: Path) -> Path:
