@@ -97,3 +97,35 @@ def test_widen_kernel_cache_sets_capacity_unless_the_user_did(monkeypatch):
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
     widen_kernel_cache()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+
+
+def test_int8_weights_decode_like_fp32(trained_run):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tformer_cli.cli import app
+    from tformer_cli.decoding import translate
+    from tformer_cli.runtime import load_run
+
+    plain, int8 = load_run(trained_run, accel="off"), load_run(trained_run, int8=True)
+    linears = [m for m in plain.model.modules() if type(m) is nn.Linear]
+    quantized = [m for m in int8.model.modules() if type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")]
+    assert len(quantized) == len(linears) - 1  # all but the tied output projection
+    from tformer_cli.data import pad_sequences
+
+    src = pad_sequences(plain.vocab.encode_sources(["twenty-one thousand", "three hundred four"]))
+    tgt = pad_sequences(plain.vocab.encode_targets(["einundzwanzigtausend", "dreihundertvier"]))[:, :-1]
+    with torch.no_grad():
+        exact, approximate = plain.model(src, tgt), int8.model(src, tgt)
+    assert (approximate - exact).abs().max() < 0.05 * exact.abs().max()
+    texts = [f"{a} hundred {b}" for a in ("one", "two", "five", "nine") for b in ("seven", "twelve", "forty-one")]
+    options = DecodeOptions(max_len_a=0, max_len_b=20)
+    same = sum(a.outputs[0][0] == b.outputs[0][0] for a, b in zip(translate(plain.model, plain.vocab, texts, options),
+                                                                 translate(int8.model, int8.vocab, texts, options)))
+    assert same >= 0.8 * len(texts)
+    args = ["eval", str(trained_run), "--split", "validation", "--max-samples", "20", "--beam", "1", "--json"]
+    fp32 = json.loads(CliRunner().invoke(app, args).stdout)
+    result = CliRunner().invoke(app, args + ["--precision", "int8"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["loss"] == pytest.approx(fp32["loss"], rel=0.05)

@@ -102,7 +102,7 @@ def eval_command(
     dev = resolve_device(device or "auto")
     amp = decoding_autocast(dev, precision)  # checked before the model is loaded
     runs = ensemble_runs(run, ensemble)
-    loaded, models = load_ensemble(runs, dev, accel)
+    loaded, models = load_ensemble(runs, dev, accel, int8=precision == "int8")
     if output:  # a folder or an unwritable path fails now, not after the evaluation (nor before the run loads)
         output.parent.mkdir(parents=True, exist_ok=True)
         open(output, "a").close()
@@ -195,7 +195,7 @@ def generate(
     check_text("--prefix", prefix)
     dev = resolve_device(device or "auto")
     amp = decoding_autocast(dev, precision)
-    loaded, models = load_ensemble(ensemble_runs(run, ensemble), dev, accel)
+    loaded, models = load_ensemble(ensemble_runs(run, ensemble), dev, accel, int8=precision == "int8")
     layers = min(len(model.decoder.layers) for model in models.models)
     if align_layer is not None and align_layer > layers:
         raise UsageError(f"--align-layer {align_layer}: the model has {layers} decoder layers")

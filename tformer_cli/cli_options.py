@@ -34,8 +34,8 @@ AlphaOpt = Annotated[Optional[float], typer.Option(help="GNMT length penalty alp
 AccelOpt = Annotated[str, typer.Option(
     help="auto | off: tformer's speed layer (faster CPU kernels), or the plain model.", rich_help_panel=ADVANCED)]
 PrecisionOpt = Annotated[str, typer.Option(
-    help="fp32 | bf16 | fp16: autocast while decoding (bf16 is fast on GPUs and on CPUs with AVX-512 BF16 or AMX).",
-    rich_help_panel=ADVANCED)]
+    help="fp32 | bf16 | fp16: autocast while decoding (bf16 is fast on GPUs and on CPUs with AVX-512 BF16 or AMX); "
+         "int8: int8 weights on a CPU.", rich_help_panel=ADVANCED)]
 
 
 def check_decoding_flags(**flags) -> None:
@@ -57,6 +57,10 @@ def decoding_autocast(device, precision: str):
     from tformer_cli.render import warn
     from tformer_cli.runtime import autocast, slow_precision
 
+    if precision == "int8":  # int8 weights (runtime.load_run), no autocast
+        if device.type != "cpu":
+            raise UsageError("--precision int8: int8 weights are for CPUs; on a GPU use --precision bf16")
+        return autocast(device, "fp32")
     amp = autocast(device, precision)  # raises on an unknown precision
     slow = slow_precision(device, precision)
     if slow:

@@ -209,10 +209,11 @@ def _run_of(folder: Path) -> Path:
                           "folder `tformer train` wrote, e.g. runs/demo")
 
 
-def load_run(path: Path, device: torch.device | str = "cpu", accel: str = "auto") -> LoadedRun:
+def load_run(path: Path, device: torch.device | str = "cpu", accel: str = "auto", int8: bool = False) -> LoadedRun:
     """Build the model of a run folder (or checkpoint) and load its weights, in eval mode, with the
-    speed layer ``accel`` (auto or off) applied."""
+    speed layer ``accel`` (auto or off) applied, or with int8 linear layers for CPU decoding."""
     from tformer_cli.accel import accelerate
+    from tformer_cli.accel.int8 import quantize_int8
     from tformer_cli.model import build_model
 
     run_dir, weights = find_weights(Path(path))
@@ -220,14 +221,16 @@ def load_run(path: Path, device: torch.device | str = "cpu", accel: str = "auto"
     vocab = Vocabulary.load(run_dir)
     model = build_model(config.model, vocab.src_size, vocab.tgt_size, PAD_ID)
     load_weights(model, weights)
-    return LoadedRun(run_dir, weights, config, vocab, accelerate(model.to(device).eval(), device, accel))
+    model = model.to(device).eval()
+    model = quantize_int8(model) if int8 else accelerate(model, device, accel)
+    return LoadedRun(run_dir, weights, config, vocab, model)
 
 
-def load_ensemble(paths: list[Path], device: torch.device | str = "cpu",
-                  accel: str = "auto") -> tuple[LoadedRun, Ensemble]:
+def load_ensemble(paths: list[Path], device: torch.device | str = "cpu", accel: str = "auto",
+                  int8: bool = False) -> tuple[LoadedRun, Ensemble]:
     """The first run (its config and vocabulary serve the whole ensemble) and all runs' models as one
     ``Ensemble``; runs whose vocabularies differ are refused."""
-    loaded = [load_run(path, device, accel) for path in paths]
+    loaded = [load_run(path, device, accel, int8) for path in paths]
     first = loaded[0]
     for other in loaded[1:]:
         if (other.vocab.fingerprint(), other.vocab.joint) != (first.vocab.fingerprint(), first.vocab.joint):
