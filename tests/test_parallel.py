@@ -195,7 +195,7 @@ def test_a_killed_process_stops_the_others_within_seconds(tmp_path, engine, vict
         stderr = survivor.communicate(timeout=60)[1]
         assert time.monotonic() - killed < 60
         errors = [line for line in stderr.splitlines() if line.strip()]
-        assert survivor.returncode == 1 and len(errors) == 1
+        assert survivor.returncode == 1 and len(errors) == 1, "\n".join(errors[-40:])
         assert errors[0].startswith(f"error: process {1 - victim}: another training process stopped (")
     finally:
         for p in processes:
