@@ -72,7 +72,9 @@ def follow_up(process_stderr: str, original: list[str], signame: str, env: dict)
             words = shlex.split(match.group(1))
             assert words[0] == "tformer", words
             return tformer(*words[1:]), "the stop message"
-        return original, "no stop message (killed before tformer started): the same command"
+    # no stop message: a SIGKILL, or a signal that landed before tformer started or as the finished run's
+    # interpreter exited (Python then dies of SIGINT, -2, saying nothing); the user runs the same command
+    # again and does what it answers
     again = subprocess.run(original, capture_output=True, text=True, env=env, cwd=ROOT)
     if again.returncode == 0:
         return [], "the same command again (nothing to resume)"
