@@ -311,6 +311,8 @@ def test_decoding_mistakes_get_one_line(trained_run, tmp_path):
         ("generate", run, "seven", "--mbr", "2", "--nbest", "3"): "--nbest 3 with --mbr 2",
         ("generate", run, "seven", "--mbr", "4", "--mbr-metric", "ter"): "--mbr-metric ter",
         ("generate", run, "--json-input"): "line 1: not JSON",
+        ("generate", run, "seven", "--sample", "--mbr", "4", "--mbr-candidates", "beam"):
+            "--sample with --mbr-candidates",
     }
     for args, message in cases.items():
         result = runner.invoke(app, list(args), input="twenty-one\n")

@@ -190,6 +190,9 @@ def generate(
     if sample and beam_size is not None and beam_size > 1:
         raise UsageError(f"--beam-size {beam_size} with --sample: sampling draws each token at random, not by beam "
                          "search; drop --beam-size (--nbest N draws N samples)")
+    if sample and mbr and mbr_candidates == "beam":
+        raise UsageError("--sample with --mbr-candidates beam: the candidates come from a beam search; drop "
+                         "--sample, or use --mbr-candidates sample")
     if json_input and texts:
         raise UsageError("--json-input reads standard input; drop the TEXTS arguments")
     check_text("--prefix", prefix)

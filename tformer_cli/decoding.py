@@ -86,14 +86,14 @@ def max_new_tokens(src: Tensor, pad_id: int, options: DecodeOptions, model_max_l
 
 
 def constrain(log_probs: Tensor, t: int, options: DecodeOptions, history: Tensor | None,
-              prefix: Tensor | None) -> None:
+              forced: Tensor | None) -> None:
     """Apply, in place, the rules on which token may come at step ``t`` to each row's log-probabilities
-    (b, V), given the row's tokens so far ``history`` (b, t) and forced ``prefix`` (b, P) (PAD where a
-    row's prefix has ended): no EOS before ``min_len`` tokens, no repeated n-gram, and a prefix token
-    where there is one (with its own log-probability, so that it counts in the score)."""
+    (b, V), given the row's tokens so far ``history`` (b, t) and the prefix tokens ``forced`` (b,) at
+    this step (PAD where a row's prefix has ended): no EOS before ``min_len`` tokens, no repeated
+    n-gram, and a prefix token where there is one (with its own log-probability, so that it counts in
+    the score)."""
     rows = None
-    if prefix is not None and t < prefix.shape[1]:
-        forced = prefix[:, t]
+    if forced is not None:
         rows = (forced != PAD_ID).nonzero().squeeze(1)
         kept = log_probs[rows, forced[rows]]
     if t < options.min_len:
@@ -143,7 +143,7 @@ def greedy_or_sample(model: torch.nn.Module | Ensemble, src: Tensor, options: De
     for t in range(int(limits.max())):
         log_probs, attention = models.next_log_probs(last, encoded, cache, options.align_layer)  # (b, V)
         constrain(log_probs, t, options, out[alive, :t] if options.no_repeat_ngram else None,
-                  None if prefix is None else prefix[alive])
+                  prefix[alive, t] if prefix is not None and t < prefix.shape[1] else None)
         if options.sample and options.temperature > 0:
             token = _sample(log_probs, options, generator)  # (b,)
         else:
@@ -247,17 +247,17 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
     aligned = history.clone() if options.align_layer is not None else None  # a source position per token
     last = torch.full((B * K, 1), BOS_ID, dtype=torch.long, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    alive = torch.arange(B, device=device)  # original sentence of each block of K rows
+    alive = list(range(B))  # original sentence of each block of K rows
 
     def hypothesis(row: int, score: float, length: int) -> Hypothesis:
         return Hypothesis(history[row].tolist(), score, score / _length_penalty(length, alpha),
                           aligned[row].tolist() if aligned is not None else None)
 
     for t in range(max(limits)):
-        n, sentences = len(alive), alive.tolist()
+        n = len(alive)
         log_probs, attention = models.next_log_probs(last, encoded, cache, options.align_layer)  # (n*K, V)
         constrain(log_probs, t, options, history if options.no_repeat_ngram else None,
-                  None if prefix is None else prefix[alive].repeat_interleave(K, dim=0))
+                  prefix[alive, t].repeat_interleave(K) if prefix is not None and t < prefix.shape[1] else None)
         V = log_probs.shape[-1]
         candidates = log_probs.add_(scores.view(n * K, 1)).view(n, K * V)  # in place: log_probs is not needed after
         top_scores, top_index = topk(candidates, 2 * K)  # (n, 2K): at most K of them end in EOS
@@ -265,7 +265,7 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
         is_eos = (top_token == EOS_ID) & (top_scores > float("-inf"))  # -inf: a beam that a forced prefix left empty
         for row, col in (is_eos[:, :K]).nonzero().tolist():  # EOS among the K best: a finished hypothesis
             hyp = hypothesis(row * K + top_beam[row, col].item(), top_scores[row, col].item(), t + 1)
-            finished[sentences[row]].append(hyp)
+            finished[alive[row]].append(hyp)
         live_scores, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=-1)  # (n, K)
         origin = (top_beam.gather(1, pick) + torch.arange(n, device=device)[:, None] * K).view(-1)  # (n*K,)
         token = top_token.gather(1, pick).view(-1)
@@ -275,13 +275,13 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
             aligned = torch.cat([aligned[origin], source[origin, None]], dim=1)
         scores, last = live_scores, token[:, None]
         cache.reorder(origin)  # beams move within their sentence: cross-attention K/V stay put
-        done = _sentences_done(finished, sentences, live_scores, hypothesis, t + 1, limits, options)
+        done = _sentences_done(finished, alive, live_scores, hypothesis, t + 1, limits, options)
         if all(done):
             break
         if any(done):
             keep_rows = [i for i, d in enumerate(done) if not d]
             rows = torch.tensor([r * K + k for r in keep_rows for k in range(K)], device=device)
-            alive = alive[keep_rows]
+            alive = [alive[r] for r in keep_rows]
             scores, history, last = scores[keep_rows], history[rows], last[rows]
             aligned = aligned[rows] if aligned is not None else None
             cache.select(rows)

@@ -126,14 +126,14 @@ def marian_state_dict(model: torch.nn.Module, d_model: int) -> dict[str, Tensor]
 def export_hf(model: torch.nn.Module, config: Config, vocab: Vocabulary, out: Path) -> Path:
     """Write the Marian folder ``out`` (created; refused if it holds anything)."""
     from safetensors.torch import save_file
-    from tokenizers import processors
+    from tokenizers import Tokenizer, processors
 
     check_marian(config, vocab)
     out = _new_folder(out)
     save_file(marian_state_dict(model, config.model.d_model), str(out / "model.safetensors"), {"format": "pt"})
     (out / "config.json").write_text(json.dumps(marian_config(config, vocab.src_size), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(generation_config(config), indent=2) + "\n")
-    tokenizer = vocab.source.__class__.from_str(vocab.source.to_str())
+    tokenizer = Tokenizer.from_str(vocab.source.to_str())  # a copy, given the post-processor below
     tokenizer.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", pair=f"$A {EOS} $B {EOS}",
                                                              special_tokens=[(EOS, EOS_ID)])
     tokenizer.save(str(out / "tokenizer.json"))

@@ -106,6 +106,11 @@ class _Setup:
         if checkpoint is not None:
             saved = self._restore(checkpoint)
             self.saved_step = self.state.step
+        # where rank 0 logs figures; TensorBoard drops what it logged after the checkpoint, as _restore
+        # trims metrics.jsonl
+        board = TensorBoard(run_dir, self.state.step + 1 if checkpoint is not None else None) \
+            if cfg.tensorboard and workers.main else None
+        self.log = MetricsLog(run_dir, board)
         # a moving average of the weights: continued on resume, else started from the weights as they are
         self.ema = WeightEMA(self.model, cfg.ema_decay, self.state.step) if cfg.ema_decay else None
         if self.ema is not None and "ema" in saved:
@@ -192,8 +197,6 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     with signals.during_setup():
         setup = _Setup(config, run_dir, resume, device, notify, workers)
     model, optimizer, state, data = setup.model, setup.optimizer, setup.state, _epoch_split(setup)
-    setup.log = MetricsLog(run_dir, TensorBoard(run_dir, state.step + 1 if resume else None)
-                           if cfg.tensorboard and workers.main else None)
     if state.processes != workers.size:  # resumed by another number of processes: same place in the epoch
         state.batch_in_epoch = math.ceil(state.batch_in_epoch * state.processes / workers.size)
         state.processes = workers.size
