@@ -9,6 +9,7 @@ For each workload and size, the systems run alternately in one fresh process, se
 repetitions after warm-up; the table gives medians, min-max and tformer's ratio to the best peer.
 Peers: torch's nn.Transformer (a), Hugging Face MarianMTModel (b), x-transformers (c), and for
 decoding CTranslate2 in float32 (d) and with int8 weights (e); install them with `pip install -e '.[bench]'`.
+`--peers ct2-int8,tformer-int8` adds tformer's own int8 decoding (CPU) beside them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from systems import LIBRARIES, PEERS, SIZES, Tformer, available_peers, make_batch  # noqa: E402
+from systems import DEFAULT_PEERS, LIBRARIES, PEERS, SIZES, Tformer, available_peers, make_batch  # noqa: E402
 
 import systems  # noqa: E402
 from tformer_cli.accel.linear import PACKING, PACKING_BF16  # noqa: E402
@@ -258,7 +259,7 @@ def add_ratios(records: list[dict]) -> None:
         if record["system"] != "tformer" or record["workload"] == "data":
             continue
         peers = [r["median"] for r in records if r["workload"] == record["workload"] and r["size"] == record["size"]
-                 and r["system"] != "tformer"]
+                 and not r["system"].startswith("tformer")]
         if peers:
             best = max(peers) if HIGHER_IS_BETTER[record["workload"]] else min(peers)
             record["ratio_vs_best_peer"] = record["median"] / best
@@ -300,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--sizes", default="small,base")
-    parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+                        help="peers to compare with; also tformer-int8 (--precision int8 decoding, CPU only)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=_at_least(1), help="timed repetitions (default: 5 on CPU, 11 on CUDA)")
     parser.add_argument("--warmup", type=_at_least(0), default=2)
@@ -337,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     _process_settings()
     torch.manual_seed(0)
     device = torch.device(args.device)
-    peers = [p for p in args.peers.split(",") if p in available_peers()]
+    peers = [p for p in args.peers.split(",") if p in available_peers() and not (on_cuda and p == "tformer-int8")]
     if args.probe_speed:
         workload, size = args.probe_speed
         print(json.dumps(run_speed(workload, size, device, peers, args.repeats, args.warmup, args.peak,

@@ -96,16 +96,17 @@ class Tformer(System):
     """tformer itself: fused output projection + loss, fused Adam, KV-cached decoding."""
 
     supports_beam = True
+    int8 = False
 
     def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
         from tformer_cli.accel import accelerate
         from tformer_cli.config import ModelConfig
         from tformer_cli.model import build_model
 
-        self.name = "tformer"
+        self.name = "tformer int8" if self.int8 else "tformer"
         cfg = ModelConfig(d_model=size.d_model, num_heads=size.heads, num_encoder_layers=size.layers,
                           num_decoder_layers=size.layers, d_ff=size.d_ff, dropout=0.1, max_len=256)
-        self.model = accelerate(build_model(cfg, size.vocab).to(device), device, ACCEL, ACCEL_SKIP)
+        self.model = accelerate(build_model(cfg, size.vocab).to(device), device, ACCEL, ACCEL_SKIP, self.int8)
         self.optimizer = _adam(self.model.parameters(), fused)
 
     def train_step(self, batch: TrainBatch) -> None:
@@ -131,6 +132,13 @@ class Tformer(System):
 
     def beam(self, src, new_tokens, beams):
         return self._decode(src, new_tokens, beams)
+
+
+class TformerInt8(Tformer):
+    """tformer decoding with int8 weights (``--precision int8``), on a CPU."""
+
+    supports_train = False
+    int8 = True
 
 
 class _BuiltinModel(nn.Module):
@@ -306,9 +314,10 @@ class CTranslate2Int8(CTranslate2):
 
 
 PEERS = {"torch": TorchBuiltin, "marian": Marian, "xtransformers": XTransformers, "ct2": CTranslate2,
-         "ct2-int8": CTranslate2Int8}
+         "ct2-int8": CTranslate2Int8, "tformer-int8": TformerInt8}
+DEFAULT_PEERS = [key for key in PEERS if not key.startswith("tformer")]  # tformer-int8 on request, CPU only
 LIBRARIES = {"tformer": "tformer_cli", "torch": "torch", "marian": "transformers", "xtransformers": "x_transformers",
-             "ct2": "ctranslate2", "ct2-int8": "ctranslate2"}
+             "ct2": "ctranslate2", "ct2-int8": "ctranslate2", "tformer-int8": "tformer_cli"}
 
 
 def available_peers() -> dict[str, type]:

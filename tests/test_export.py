@@ -126,3 +126,30 @@ def test_ctranslate2_carries_pre_ln_gelu_biases_and_learned_positions(options, t
     texts = ["a b c", "h g f e d", "c"]
     expected = translate(model, vocab, texts, DecodeOptions(max_len_a=0, max_len_b=10))
     assert _ct2_greedy(tmp_path / "ct2", vocab, texts, 10) == [r.outputs[0][1].tokens for r in expected]
+
+
+def _generate(run, *args):
+    result = runner.invoke(app, ["generate", str(run), *TEXTS, "--json", *args])
+    assert result.exit_code == 0, result.output
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_generate_with_the_ctranslate2_engine_translates_as_tformer_does(trained_run):
+    pytest.importorskip("ctranslate2")
+    for args in (["--beam", "1"], ["--beam", "1", "--prefix", "ein"], ["--beam", "1", "--min-len", "3"]):
+        ours, theirs = _generate(trained_run, *args), _generate(trained_run, *args, "--engine", "ctranslate2")
+        assert [r["outputs"] for r in theirs] == [r["outputs"] for r in ours], args
+        if len(args) == 2:  # tformer's scores count a forced prefix, and do not renormalize after --min-len
+            assert [r["scores"][0] for r in theirs] == pytest.approx([r["scores"][0] for r in ours], abs=2e-3)
+    beams = _generate(trained_run, "--beam", "4", "--nbest", "2", "--engine", "ctranslate2")
+    assert all(len(r["outputs"]) == 2 for r in beams)
+    assert len(_generate(trained_run, "--engine", "ctranslate2", "--precision", "int8")) == len(TEXTS)
+
+
+@pytest.mark.parametrize("flags, named", [(["--engine", "onnx"], "--engine onnx"),
+                                          (["--engine", "ctranslate2", "--align"], "--align"),
+                                          (["--engine", "ctranslate2", "--mbr", "4"], "--mbr")])
+def test_generate_refuses_what_the_ctranslate2_engine_cannot_do(trained_run, flags, named):
+    result = runner.invoke(app, ["generate", str(trained_run), "seven", *flags])
+    assert result.exit_code != 0
+    assert named in result.output and len(result.output.strip().splitlines()) == 1

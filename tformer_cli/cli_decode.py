@@ -27,6 +27,9 @@ MbrCandidatesOpt = Annotated[str, typer.Option(
     help="sample | beam: --mbr's candidates are N samples, or the N best of a beam search.", rich_help_panel=ADVANCED)]
 EpsilonOpt = Annotated[Optional[float], typer.Option(
     help="Sample only tokens of at least this probability (default: 0, off; 0.02 for --mbr's samples).")]
+EngineOpt = Annotated[str, typer.Option(
+    help="tformer | ctranslate2: the decoder that runs the model (ctranslate2: pip install 'tformer[ctranslate2]'; "
+         "--precision int8 quantizes for it).", rich_help_panel=ADVANCED)]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Seed for reproducible samples.")]
 
 
@@ -164,6 +167,7 @@ def generate(
     device: DecodeDeviceOpt = None,
     precision: PrecisionOpt = "fp32",
     accel: AccelOpt = "auto",
+    engine: EngineOpt = "tformer",
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object a line.")] = False,
 ) -> None:
     """Translate texts given as arguments, or standard input line by line (one output line per input).
@@ -173,10 +177,12 @@ def generate(
       cat numbers.txt | tformer generate runs/demo --beam 4 > german.txt
       tformer generate runs/demo "seven" --sample --temperature 0.8 --top-p 0.9 --seed 1 --nbest 3 --json
       tformer generate runs/demo "twenty-one" --prefix "einund" --align
+      tformer generate runs/demo "twenty-one" --engine ctranslate2 --precision int8
     """
     import sys
 
     from tformer_cli.accel import check_mode
+    from tformer_cli.ctranslate2_engine import CTranslate2Engine, check_engine
     from tformer_cli.decoding import DecodeOptions, default_batch_size, translate
     from tformer_cli.render import generation_lines, warn
     from tformer_cli.runtime import load_ensemble, resolve_device
@@ -187,6 +193,7 @@ def generate(
                          align_layer=align_layer)
     check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
     check_mode(accel)
+    check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
     if sample and beam_size is not None and beam_size > 1:
         raise UsageError(f"--beam-size {beam_size} with --sample: sampling draws each token at random, not by beam "
                          "search; drop --beam-size (--nbest N draws N samples)")
@@ -198,7 +205,10 @@ def generate(
     check_text("--prefix", prefix)
     dev = resolve_device(device or "auto")
     amp = decoding_autocast(dev, precision)
-    loaded, models = load_ensemble(ensemble_runs(run, ensemble), dev, accel, int8=precision == "int8")
+    on_tformer = engine == "tformer"  # CTranslate2 converts the plain fp32 model
+    loaded, models = load_ensemble(ensemble_runs(run, ensemble), dev if on_tformer else "cpu",
+                                   accel if on_tformer else "off", int8=on_tformer and precision == "int8")
+    ct2 = None if on_tformer else CTranslate2Engine(loaded, dev, precision)
     layers = min(len(model.decoder.layers) for model in models.models)
     if align_layer is not None and align_layer > layers:
         raise UsageError(f"--align-layer {align_layer}: the model has {layers} decoder layers")
@@ -222,9 +232,12 @@ def generate(
     number = 0
     for chunk in _chunks(inputs, chunk_size):
         prefixes = [p or "" for _, p in chunk]
-        with amp:
-            results = translate(models, loaded.vocab, [text for text, _ in chunk], options, size, dev,
-                                prefixes if any(prefixes) else None)
+        sources, prefixes = [text for text, _ in chunk], prefixes if any(prefixes) else None
+        if ct2 is not None:
+            results = ct2.translate(sources, options, size, prefixes)
+        else:
+            with amp:
+                results = translate(models, loaded.vocab, sources, options, size, dev, prefixes)
         for result in results:
             if result.truncated:
                 warn(f"input longer than the model's {loaded.config.model.max_len} positions was truncated: "

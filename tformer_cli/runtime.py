@@ -211,9 +211,8 @@ def _run_of(folder: Path) -> Path:
 
 def load_run(path: Path, device: torch.device | str = "cpu", accel: str = "auto", int8: bool = False) -> LoadedRun:
     """Build the model of a run folder (or checkpoint) and load its weights, in eval mode, with the
-    speed layer ``accel`` (auto or off) applied, or with int8 linear layers for CPU decoding."""
+    speed layer ``accel`` (auto or off) applied, with int8 linear layers for CPU decoding if ``int8``."""
     from tformer_cli.accel import accelerate
-    from tformer_cli.accel.int8 import quantize_int8
     from tformer_cli.model import build_model
 
     run_dir, weights = find_weights(Path(path))
@@ -222,7 +221,7 @@ def load_run(path: Path, device: torch.device | str = "cpu", accel: str = "auto"
     model = build_model(config.model, vocab.src_size, vocab.tgt_size, PAD_ID)
     load_weights(model, weights)
     model = model.to(device).eval()
-    model = quantize_int8(model) if int8 else accelerate(model, device, accel)
+    model = accelerate(model, device, accel, int8=int8)
     return LoadedRun(run_dir, weights, config, vocab, model)
 
 

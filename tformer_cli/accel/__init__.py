@@ -10,7 +10,8 @@ tested equal to the plain path (tests/test_accel*.py), and turned off by ``train
   in the fused loss;
 - ``FastDropout`` (dropout.py): masks from SplitMix64 words instead of a Mersenne Twister per element;
 - ``CpuAttention`` (attention.py): each attention call to the fastest of torch's CPU kernels;
-- process settings (``tune_runtime``): glibc keeps freed buffers, oneDNN keeps more kernels.
+- process settings (``tune_runtime``): glibc keeps freed buffers, oneDNN keeps more kernels;
+- with ``int8``, int8 linear layers for decoding (int8.py).
 
 On a GPU torch's own kernels are already the fast ones, and nothing is swapped.
 What each piece buys, measured: benchmarks/README.md.
@@ -26,6 +27,7 @@ from torch import nn
 from tformer_cli.accel import gemm
 from tformer_cli.accel.attention import CpuAttention
 from tformer_cli.accel.dropout import FastDropout
+from tformer_cli.accel.int8 import quantize_int8
 from tformer_cli.accel.linear import FastFeedForward, FastLinear
 from tformer_cli.errors import UsageError
 from tformer_cli.model.attention import ScaledDotProductAttention
@@ -43,15 +45,19 @@ def check_mode(mode: str, option: str = "--accel") -> None:
 
 
 def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
-               skip: tuple[str, ...] = ()) -> nn.Module:
+               skip: tuple[str, ...] = (), int8: bool = False) -> nn.Module:
     """Swap the speed layer into ``model`` for ``device`` (in place; the model is returned). The
     swapped modules hold the model's own parameters, so tied weights stay tied and the state dict keeps
     its keys. ``mode`` "off" leaves the model plain (and torch's own products in the fused loss);
-    ``skip`` leaves out some of ``PIECES`` (the benchmark measures what each buys)."""
+    ``skip`` leaves out some of ``PIECES`` (the benchmark measures what each buys). ``int8`` (CPU
+    decoding, ``--precision int8``) gives every linear layer int8 weights, with either mode."""
     check_mode(mode)
     unknown = set(skip) - set(PIECES)
     if unknown:
         raise UsageError(f"accel pieces {', '.join(sorted(unknown))}: choose from {', '.join(PIECES)}")
+    if int8:
+        quantize_int8(model)
+        skip = (*skip, "linear")
     on_cpu = torch.device(device).type == "cpu" and mode == "auto"
     gemm.enable(on_cpu and "gemm" not in skip and gemm.pays_here())
     if on_cpu:
