@@ -110,3 +110,15 @@ def test_under_bf16_autocast_the_loss_and_gradients_stay_near_fp32():
     torch.testing.assert_close(loss, expected, rtol=2e-2, atol=0)
     for ours, ref in zip((hidden.grad, weight.grad), reference):
         assert (ours - ref).norm() < 0.05 * ref.norm()
+
+
+def test_on_a_cpu_every_product_has_a_multiple_of_64_rows(monkeypatch):
+    # oneDNN keeps a compiled kernel per product shape: a last chunk of any size would add one each batch
+    seen, project = [], loss_module._project
+    monkeypatch.setattr(loss_module, "_project", lambda h, w, buffer: seen.append(h.shape[0]) or project(h, w, buffer))
+    for n in (3, 100, 513, 1100):
+        hidden = torch.randn(n, 8, requires_grad=True)
+        loss, _ = linear_smoothed_cross_entropy(hidden, torch.randn(20, 8), torch.randint(0, 20, (n,)), 0.1)
+        loss.backward()
+        assert hidden.grad.shape == (n, 8)
+    assert seen and all(rows % loss_module.ROW_MULTIPLE == 0 for rows in seen)

@@ -27,6 +27,9 @@ from torch import Tensor
 from tformer_cli.accel import gemm, ops
 
 CHUNK_TOKENS = 512  # on CPU: larger chunks were no faster and hold more logits (benchmarks/README.md)
+# On a CPU a chunk's rows are padded with zeros to a multiple of this: oneDNN compiles and keeps a
+# kernel (~1-2.5 MB) for every shape it multiplies, and a batch's last chunk had any of 512 row counts
+ROW_MULTIPLE = 64
 GPU_CHUNK_TOKENS = 8192  # on a GPU, fewer and larger matrix products keep it busy
 
 
@@ -46,10 +49,12 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         n = target.shape[0]
         chunk = CHUNK_TOKENS if hidden.device.type == "cpu" else GPU_CHUNK_TOKENS
         chunk = chunk // 2 if rdrop else chunk  # both passes' rows of a chunk are projected together
+        multiple = ROW_MULTIPLE if hidden.device.type == "cpu" else 1
         # torch's products write every chunk's logits into one buffer (a new one per chunk is slower on a
         # CPU); oneDNN's have no out= form, and each chunk's are freed before the next
         buffer = None if gemm.onednn_applies(hidden, weight) else \
-            hidden.new_empty((min(n, chunk) * (2 if rdrop else 1), weight.shape[0]), dtype=accumulate)
+            hidden.new_empty((_round_up(min(n, chunk) * (2 if rdrop else 1), multiple), weight.shape[0]),
+                             dtype=accumulate)
         if not rdrop:  # the mean logit of a row is h . mean_weight
             mean_weight = weight.to(accumulate).mean(dim=0, keepdim=True).T  # (d, 1)
         want_grad = grad_hidden is not None or grad_weight is not None
@@ -57,18 +62,23 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
             stop = min(start + chunk, n)
             rows = [slice(start, stop), slice(n + start, n + stop)] if rdrop else [slice(start, stop)]
             h = (hidden[rows[0]] if len(rows) == 1 else torch.cat([hidden[r] for r in rows])).to(compute)
-            logits = _project(h, w, buffer)  # (rows, V)
-            t = target[rows[0], None]
+            m = h.shape[0]
+            h = _zero_rows_to(h, _round_up(m, multiple))  # few distinct product shapes (ROW_MULTIPLE)
+            padded_logits = _project(h, w, buffer)  # (rows, V)
+            logits, t = padded_logits[:m], target[rows[0], None]
             if rdrop:
                 chunk_loss, chunk_nll, grad = _rdrop_logit_grad(logits, t, smoothing, rdrop, want_grad)
             else:
-                mean_logit = h.to(accumulate) @ mean_weight  # (rows, 1)
+                mean_logit = h[:m].to(accumulate) @ mean_weight  # (rows, 1)
                 chunk_loss, chunk_nll, grad = _smoothed_logit_grad(logits, t, mean_logit, smoothing, want_grad)
             loss += chunk_loss
             nll_total += chunk_nll
             if grad is not None:
-                _backpropagate(grad.to(compute), h, w, rows, grad_hidden, grad_weight)
-            logits = grad = None  # not alive while the next chunk's are made
+                if grad.data_ptr() == padded_logits.data_ptr():  # made in place: the padding rows follow it
+                    grad = padded_logits
+                    grad[m:] = 0
+                _backpropagate(_zero_rows_to(grad, h.shape[0]).to(compute), h, w, rows, grad_hidden, grad_weight)
+            logits = padded_logits = grad = None  # not alive while the next chunk's are made
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(nll_total)
@@ -82,6 +92,15 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _zero_rows_to(x: Tensor, rows: int) -> Tensor:
+    """x (m, k) with zero rows appended up to ``rows``: they add nothing to the weight gradient."""
+    return x if x.shape[0] == rows else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
 def _project(h: Tensor, w: Tensor, buffer: Tensor | None) -> Tensor:
@@ -151,7 +170,8 @@ def _backpropagate(grad: Tensor, h: Tensor, w: Tensor, rows: list[slice], grad_h
     """From a chunk's logit gradient grad (m, V): write the hidden-state gradient of its rows (h (m, d)
     stacks them in order) into grad_hidden, and add the weight gradient to grad_weight (V, d)."""
     if grad_hidden is not None:
-        for r, part in zip(rows, gemm.linear(grad, w.t()).split([r.stop - r.start for r in rows])):
+        sizes = [r.stop - r.start for r in rows]  # the rows past them are padding
+        for r, part in zip(rows, gemm.linear(grad, w.t())[:sum(sizes)].split(sizes)):
             grad_hidden[r] = part
     if grad_weight is not None:
         if gemm.onednn_applies(grad, h, grad_weight):

@@ -1,0 +1,88 @@
+"""Resident memory of a real training run: the RSS curve of `tformer train` on Multi30k.
+
+    python benchmarks/train_memory.py --minutes 10
+    python benchmarks/train_memory.py --minutes 10 --onednn-products   # fp32 products as on AMD CPUs
+
+Trains configs/multi30k.yaml (with its validation BLEU every 500 steps) on the local Multi30k for the
+given minutes, samples the process's RSS every few seconds, and prints the curve a minute at a time
+(RSS, steps done, the logged target tokens/s), then the peak (VmHWM) and the median tokens/s. The
+suite's fixed-shape workloads hide what real batches do: every batch shape can cost a compiled kernel
+and heap that the process keeps. `--onednn-products` sends fp32 products to oneDNN, as the speed
+layer does on CPUs not made by Intel, to see that on an Intel machine. `--set` passes overrides on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
+# the speed layer's rule (gemm.pays_here) made to answer yes, then tformer's command line
+ONEDNN_LAUNCH = ("import sys, tformer_cli.accel.gemm as g; g.pays_here = lambda: True; "
+                 "from tformer_cli.cli import app; sys.argv[0] = 'tformer'; app()")
+
+
+def status_kib(pid: int, field: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "multi30k.yaml")
+    parser.add_argument("--data", type=Path, default=MULTI30K)
+    parser.add_argument("--every", type=float, default=5.0, help="seconds between RSS samples")
+    parser.add_argument("--onednn-products", action="store_true")
+    parser.add_argument("--set", nargs="*", default=[], dest="overrides")
+    parser.add_argument("--json", type=Path, help="write the samples here")
+    args = parser.parse_args()
+    launch = [sys.executable, "-c", ONEDNN_LAUNCH] if args.onednn_products else [sys.executable, "-m", "tformer_cli"]
+    with tempfile.TemporaryDirectory() as folder:
+        run = Path(folder) / "run"
+        overrides = [f"data.dataset={args.data}", f"train.max_time={int(args.minutes * 60)}", *args.overrides]
+        command = [*launch, "train", str(args.config), "--output-dir", str(run), "--device", "cpu",
+                   *(part for override in overrides for part in ("--set", override))]
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        start, samples = time.perf_counter(), []
+        while process.poll() is None:
+            rss = status_kib(process.pid, "VmRSS")
+            if rss is not None:
+                samples.append({"s": round(time.perf_counter() - start, 1), "rss_mib": rss / 1024,
+                                "hwm_mib": status_kib(process.pid, "VmHWM") / 1024})
+            time.sleep(args.every)
+        if process.returncode != 0:
+            sys.exit(f"training failed ({process.returncode}): {process.stderr.read()[-2000:]}")
+        logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in logged if r.get("split") == "train"]
+    print(" ".join(["onednn products:", str(args.onednn_products), *overrides]))
+    print("minute  RSS MiB  peak MiB  steps  tokens/s (last log)")
+    for minute in range(1, int(args.minutes) + 2):
+        at = [s for s in samples if s["s"] <= minute * 60]
+        if not at:
+            continue
+        logs = [r for r in train if r.get("elapsed", 0) <= minute * 60]
+        last = logs[-1] if logs else {}
+        print(f"{minute:>6}  {at[-1]['rss_mib']:>7,.0f}  {at[-1]['hwm_mib']:>8,.0f}  {last.get('step', 0):>5}  "
+              f"{last.get('tokens_per_s', 0):>8,.0f}")
+    rates = [r["tokens_per_s"] for r in train[1:]]  # the first window holds the start
+    print(f"peak RSS {max(s['hwm_mib'] for s in samples):,.0f} MiB; steps {train[-1]['step'] if train else 0}; "
+          f"median tokens/s {statistics.median(rates) if rates else 0:,.0f}")
+    if args.json:
+        args.json.write_text(json.dumps({"command": command, "samples": samples, "train": train}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
