@@ -35,7 +35,7 @@ from tformer_cli.model.layers import PositionwiseFeedForward
 
 MODES = ("auto", "off")
 PIECES = ("linear", "gemm", "dropout", "attention", "runtime")  # what ``skip`` may leave out, to measure each
-ONEDNN_CACHE_CAPACITY = 16384
+ONEDNN_CACHE_CAPACITY = 4096  # a bf16 Multi30k run used ~1,700; each kernel holds ~0.5-2.5 MB
 
 
 def check_mode(mode: str, option: str = "--accel") -> None:
@@ -89,10 +89,11 @@ def tune_runtime() -> None:
 
 
 def widen_kernel_cache() -> None:
-    """Let oneDNN keep 16,384 compiled matrix-product kernels instead of 1,024 (unless the user set
+    """Let oneDNN keep 4,096 compiled matrix-product kernels instead of 1,024 (unless the user set
     ONEDNN_PRIMITIVE_CACHE_CAPACITY); it takes effect before the process's first oneDNN product. oneDNN
-    builds a kernel for every shape, and batches of varying lengths bring new shapes every step: with
-    the default the cache thrashes and training slows as the run goes on (benchmarks/README.md)."""
+    builds a kernel for every shape, and batches of varying lengths bring new shapes: with the default
+    a bf16 run's cache thrashed and training slowed as the run went on. Each kernel holds memory, so
+    the cap also bounds what the cache can take (benchmarks/README.md)."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
 
 
