@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -42,11 +43,12 @@ def status_kib(pid: int, field: str) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "multi30k.yaml")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "multi30k.yaml")  # absolute: --code
     parser.add_argument("--data", type=Path, default=MULTI30K)
     parser.add_argument("--every", type=float, default=5.0, help="seconds between RSS samples")
     parser.add_argument("--onednn-products", action="store_true")
     parser.add_argument("--set", nargs="*", default=[], dest="overrides")
+    parser.add_argument("--code", type=Path, default=ROOT, help="the tformer checkout to train with (default: this one)")
     parser.add_argument("--json", type=Path, help="write the samples here")
     args = parser.parse_args()
     launch = [sys.executable, "-c", ONEDNN_LAUNCH] if args.onednn_products else [sys.executable, "-m", "tformer_cli"]
@@ -55,7 +57,9 @@ def main() -> None:
         overrides = [f"data.dataset={args.data}", f"train.max_time={int(args.minutes * 60)}", *args.overrides]
         command = [*launch, "train", str(args.config), "--output-dir", str(run), "--device", "cpu",
                    *(part for override in overrides for part in ("--set", override))]
-        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        env = {**os.environ, "PYTHONPATH": str(args.code.resolve())}
+        errors = (Path(folder) / "stderr").open("w+")  # a file, not a pipe: a full pipe would stall the run
+        process = subprocess.Popen(command, cwd=args.code, env=env, stdout=subprocess.DEVNULL, stderr=errors)
         start, samples = time.perf_counter(), []
         while process.poll() is None:
             rss = status_kib(process.pid, "VmRSS")
@@ -64,10 +68,11 @@ def main() -> None:
                                 "hwm_mib": status_kib(process.pid, "VmHWM") / 1024})
             time.sleep(args.every)
         if process.returncode != 0:
-            sys.exit(f"training failed ({process.returncode}): {process.stderr.read()[-2000:]}")
+            errors.seek(0)
+            sys.exit(f"training failed ({process.returncode}): {errors.read()[-2000:]}")
         logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in logged if r.get("split") == "train"]
-    print(" ".join(["onednn products:", str(args.onednn_products), *overrides]))
+    print(" ".join([f"code {args.code};", f"onednn products: {args.onednn_products};", *overrides]))
     print("minute  RSS MiB  peak MiB  steps  tokens/s (last log)")
     for minute in range(1, int(args.minutes) + 2):
         at = [s for s in samples if s["s"] <= minute * 60]
