@@ -170,15 +170,23 @@ def greedy_or_sample(model: torch.nn.Module | Ensemble, src: Tensor, options: De
 def argmax(x: Tensor) -> Tensor:
     """``x.argmax(-1)`` for a (b, V) tensor: the first index of each row's maximum. On a CPU torch's
     argmax walks a row one element at a time while ``amax`` is vectorised, so this takes the maximum
-    of each block of up to 64 columns, the first block holding the row's maximum, and the argmax inside
-    that block only (timings: benchmarks/README.md, "Small measurements")."""
+    of each block of 64 columns, the first block holding the row's maximum, and the argmax inside
+    that block only; columns past the last whole block are compared after (timings:
+    benchmarks/README.md, "Small measurements")."""
     b, V = x.shape
-    block = min(64, V & -V)  # the largest power of two <= 64 dividing V
-    if x.device.type != "cpu" or block < 8:
+    block = 64
+    whole = V - V % block
+    if x.device.type != "cpu" or whole == 0:
         return x.argmax(dim=-1)
-    blocks = x.reshape(b, V // block, block)
-    first = blocks.amax(dim=-1).argmax(dim=-1)  # (b,)
-    return first * block + blocks[torch.arange(b, device=x.device), first].argmax(dim=-1)
+    rows = torch.arange(b, device=x.device)
+    blocks = x[:, :whole].reshape(b, whole // block, block)  # a view: rows keep their stride
+    maxima = blocks.amax(dim=-1)  # (b, whole / block)
+    first = maxima.argmax(dim=-1)  # (b,)
+    best = first * block + blocks[rows, first].argmax(dim=-1)
+    if whole == V:
+        return best
+    tail_max, tail_arg = x[:, whole:].max(dim=-1)
+    return torch.where(tail_max > maxima[rows, first], whole + tail_arg, best)  # a tie: the earlier column
 
 
 def topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
