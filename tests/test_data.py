@@ -165,6 +165,22 @@ def test_encoded_splits_are_cached(tmp_path):
     assert len(load_encoded(cfg, "train", vocab)) == 4
 
 
+def test_worker_processes_encode_a_split_as_one_process_does(tmp_path, monkeypatch):
+    import tformer_cli.data as data
+
+    rows = ROWS + [{"de": "", "en": "leer"}, {"de": "ein Haus " * 20, "en": "a house"}] + ROWS[:5]
+    cfg = DataConfig(data_files={"train": _jsonl(tmp_path / "train.jsonl", rows)}, source="de", target="en",
+                     max_length=16)
+    vocab = Vocabulary.train([(r["de"], r["en"]) for r in ROWS], vocab_size=60, min_frequency=1)
+    monkeypatch.setattr(data, "ENCODE_IN_WORKERS", 1)  # any split: workers
+    monkeypatch.setattr(data, "_cpus", lambda: {0, 1, 2})  # three of them, so that the ranges are uneven
+    parallel = load_encoded(cfg, "train", vocab)
+    serial = encode_split(load_pairs(cfg, "train"), vocab, cfg)
+    assert parallel.src == serial.src and parallel.tgt == serial.tgt and list(parallel.pairs) == list(serial.pairs)
+    assert (parallel.dropped_empty, parallel.dropped_long) == (serial.dropped_empty, serial.dropped_long) == (1, 1)
+    assert not list((data.cache_dir()).glob("encoding-*"))  # the workers' parts are gone
+
+
 def test_resegment_draws_a_new_segmentation_of_the_same_pairs_and_keeps_the_cache_key():
     pairs = [(r["de"] + " Gartenhaus", r["en"] + " greenhouse") for r in ROWS]
     vocab = Vocabulary.train(pairs, vocab_size=80, min_frequency=1)

@@ -30,6 +30,11 @@ from tformer_cli.tokenizer import PAD_ID, RECIPE, Vocabulary
 # Encoded splits cached in an earlier layout are not read (3: safetensors, no pickle)
 CACHE_FORMAT = 3
 ENCODE_CHUNK = 100_000  # pairs tokenised at a time: their ids as Python lists are the peak memory
+# A split of this many pairs or more is tokenised by worker processes, a range of it each: the cores
+# work in parallel on the Python side too, and the heap that tokenizers grows while encoding (about
+# 330 MiB per million texts, never returned) goes away with each worker
+ENCODE_IN_WORKERS = 500_000
+MAX_ENCODE_WORKERS = 8
 TRAINING_ONLY = {"bpe_dropout"}  # data settings that change neither the vocabulary nor the cached encodings
 FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -365,7 +370,10 @@ def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
             return read_encoded(path)
         except (OSError, ValueError) as exc:
             notice(f"rebuilding the cached encoding {path}: {exc}")
-    encoded = encode_split(read_pairs(cfg, split), vocab, cfg)
+    pairs = read_pairs(cfg, split)
+    workers = min(len(_cpus()), MAX_ENCODE_WORKERS) if len(pairs) >= ENCODE_IN_WORKERS else 1
+    encoded = _encode_in_workers(cfg, split, vocab, len(pairs), workers) if workers > 1 \
+        else encode_split(pairs, vocab, cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         write_encoded(encoded, path)
@@ -374,6 +382,59 @@ def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
     except (CheckpointError, OSError, ValueError) as exc:  # no cache costs time next run, nothing else
         notice(str(exc))
         return encoded
+
+
+def _cpus() -> set[int]:
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def _encode_in_workers(cfg: DataConfig, split: str, vocab: Vocabulary, size: int, workers: int) -> EncodedSplit:
+    """``encode_split`` of the whole split, by ``workers`` processes a contiguous range each; each
+    writes its part as a cache entry, read back memory-mapped and joined here. A worker that dies
+    fails the whole (BrokenProcessPool) instead of leaving this process waiting."""
+    import tempfile
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    bounds = [size * i // workers for i in range(workers + 1)]
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="encoding-", dir=cache_dir()) as folder:
+        paths = [Path(folder) / f"part-{i}.safetensors" for i in range(workers)]
+        threads = max(1, len(_cpus()) // workers)
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_encoding_worker,
+                                 initargs=(threads,)) as pool:
+            for done in [pool.submit(_encode_part, cfg, split, vocab, a, b, p)
+                         for a, b, p in zip(bounds, bounds[1:], paths)]:
+                done.result()  # a worker's DataError is raised here
+        parts = [read_encoded(p) for p in paths]
+        return EncodedSplit(Sequences.concat([p.src for p in parts]), Sequences.concat([p.tgt for p in parts]),
+                            TextPairs.concat([p.pairs for p in parts]),
+                            **{name: sum(getattr(p, name) for p in parts) for name in _ENCODED_COUNTS})
+
+
+def _encoding_worker(threads: int) -> None:
+    """A tokenising worker's start: tokenizers' thread pool, made at its first batch, gets this
+    process's share of the cores."""
+    os.environ["RAYON_RS_NUM_CPUS"] = str(threads)
+
+
+def _encode_part(cfg: DataConfig, split: str, vocab: Vocabulary, start: int, stop: int, path: Path) -> None:
+    """In a worker: pairs [start, stop) of the split, encoded and written to ``path``."""
+    write_encoded(encode_split(_PairRange(read_pairs(cfg, split), start, stop), vocab, cfg), path)
+
+
+class _PairRange:
+    """Pairs [start, stop) of a split, sliced as the split is."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]], start: int, stop: int) -> None:
+        self.pairs, self.start, self.size = pairs, start, stop - start
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: slice) -> list[tuple[str, str]]:
+        start, stop, _ = index.indices(self.size)
+        return self.pairs[self.start + start:self.start + stop]
 
 
 # A cache entry is data, never code: token ids and texts as safetensors tensors, counts in its metadata,
