@@ -63,18 +63,19 @@ def peak_rss_mib(pid: int) -> float | None:
     return None
 
 
-def trainers(launcher: int) -> list[int]:
-    """The launcher's descendants that run tformer (torchrun's workers), or the launcher itself."""
-    found, frontier = [], [launcher]
+def descendants(pid: int) -> list[int]:
+    found, frontier = [], children(pid)
     while frontier:
-        pid = frontier.pop()
-        try:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            continue
-        frontier += [int(c) for c in children]
-        found += [int(c) for c in children]
-    return found or [launcher]
+        found.append(frontier.pop())
+        frontier += children(found[-1])
+    return found
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def launch(config: Path, processes: int, run: Path, cache: Path) -> dict:
@@ -84,21 +85,23 @@ def launch(config: Path, processes: int, run: Path, cache: Path) -> dict:
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "TFORMER_CACHE": str(cache)},
                                stderr=subprocess.PIPE, text=True)
-    peaks: dict[int, float] = {}
+    peaks: dict[int, float] = {}  # the training processes'
+    helpers: dict[int, float] = {}  # their tokenising workers'
     first_step = None
     while process.poll() is None:
-        for pid in trainers(process.pid):
+        ranks = children(process.pid) if processes > 1 else [process.pid]  # torchrun's children train
+        for pid in ranks + [d for rank in ranks for d in descendants(rank)]:
             rss = peak_rss_mib(pid)
             if rss is not None:
-                peaks[pid] = max(peaks.get(pid, 0.0), rss)
+                table = peaks if pid in ranks else helpers
+                table[pid] = max(table.get(pid, 0.0), rss)
         if first_step is None and (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").stat().st_size:
             first_step = time.perf_counter() - start
         time.sleep(0.1)
     if process.returncode != 0:
         raise SystemExit(f"training failed: {process.stderr.read()[-2000:]}")
-    if processes > 1:  # torchrun's own process is not a trainer
-        peaks.pop(process.pid, None)
-    return {"first_step_s": first_step, "peak_rss_mib": sorted(peaks.values(), reverse=True)[:processes]}
+    return {"first_step_s": first_step, "peak_rss_mib": sorted(peaks.values(), reverse=True)[:processes],
+            "worker_peak_rss_mib": max(helpers.values(), default=0.0)}
 
 
 def main() -> None:
@@ -113,8 +116,10 @@ def main() -> None:
         for i, (processes, state) in enumerate(runs):
             result = launch(config, processes, folder / f"run-{i}", cache)
             rss = ", ".join(f"{r:,.0f}" for r in result["peak_rss_mib"])
+            workers = f"; its workers' peak {result['worker_peak_rss_mib']:,.0f} MiB" \
+                if result["worker_peak_rss_mib"] else ""
             print(f"{processes} process(es), cache {state}: first step after {result['first_step_s']:.1f} s; "
-                  f"peak RSS {rss} MiB", flush=True)
+                  f"peak RSS {rss} MiB{workers}", flush=True)
 
 
 if __name__ == "__main__":
