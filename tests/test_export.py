@@ -149,7 +149,8 @@ def test_generate_with_the_ctranslate2_engine_translates_as_tformer_does(trained
 
 @pytest.mark.parametrize("flags, named", [(["--engine", "onnx"], "--engine onnx"),
                                           (["--engine", "ctranslate2", "--align"], "--align"),
-                                          (["--engine", "ctranslate2", "--mbr", "4"], "--mbr")])
+                                          (["--engine", "ctranslate2", "--mbr", "4"], "--mbr"),
+                                          (["--engine", "ctranslate2", "--precision", "fp8"], "--precision fp8")])
 def test_generate_refuses_what_the_ctranslate2_engine_cannot_do(trained_run, flags, named):
     result = runner.invoke(app, ["generate", str(trained_run), "seven", *flags])
     assert result.exit_code != 0

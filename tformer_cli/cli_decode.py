@@ -204,8 +204,8 @@ def generate(
         raise UsageError("--json-input reads standard input; drop the TEXTS arguments")
     check_text("--prefix", prefix)
     dev = resolve_device(device or "auto")
-    amp = decoding_autocast(dev, precision)
     on_tformer = engine == "tformer"  # CTranslate2 converts the plain fp32 model
+    amp = decoding_autocast(dev, precision) if on_tformer else None
     loaded, models = load_ensemble(ensemble_runs(run, ensemble), dev if on_tformer else "cpu",
                                    accel if on_tformer else "off", int8=on_tformer and precision == "int8")
     ct2 = None if on_tformer else CTranslate2Engine(loaded, dev, precision)

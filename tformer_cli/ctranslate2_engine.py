@@ -25,7 +25,8 @@ from tformer_cli.errors import UsageError
 from tformer_cli.runtime import LoadedRun
 
 ENGINES = ("tformer", "ctranslate2")
-COMPUTE_TYPES = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16"}
+COMPUTE_TYPES = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16", "fp16": "float16"}  # on a CPU
+GPU_COMPUTE_TYPES = {**COMPUTE_TYPES, "int8": "int8_float16"}  # int8 weights, fp16 activations
 
 
 def check_engine(engine: str, *, ensemble: bool, mbr: int, align: bool, epsilon: float | None) -> None:
@@ -52,7 +53,13 @@ class CTranslate2Engine:
             raise UsageError("--engine ctranslate2: the ctranslate2 package is not installed; pip install "
                              "'tformer[ctranslate2]'") from None
         self.ctranslate2, self.vocab, self.max_len = ctranslate2, loaded.vocab, loaded.config.model.max_len
-        compute_type = COMPUTE_TYPES[precision]
+        types = GPU_COMPUTE_TYPES if device.type == "cuda" else COMPUTE_TYPES
+        if precision not in types:
+            raise UsageError(f"--precision {precision} with --engine ctranslate2: expected {', '.join(types)}")
+        compute_type = types[precision]
+        if compute_type not in ctranslate2.get_supported_compute_types(device.type):
+            raise UsageError(f"--precision {precision} with --engine ctranslate2: CTranslate2 has no {compute_type} "
+                             f"on this {device.type}; use --precision fp32")
         with tempfile.TemporaryDirectory(prefix="tformer-ct2-") as folder:
             out = export_ctranslate2(loaded.model, loaded.config, loaded.vocab, Path(folder) / "model",
                                      None if compute_type == "float32" else compute_type)
