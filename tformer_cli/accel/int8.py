@@ -3,17 +3,16 @@
 Every linear layer becomes torch's dynamically quantized linear: weights stored once as int8, one
 scale per output row; activations quantized per call; products on int8 kernels. The output
 projection, the largest product of a decoding step at "base", keeps its fp32 weight beside the int8
-copy, for the loss and for the target embeddings it is tied to. On CPUs with AMX the weights are
-packed for oneDNN, whose AMX kernels multiply 5-8x faster than the default engine's (FBGEMM) here.
-Measured (benchmarks/README.md, "int8 decoding"): test2016 BLEU within 0.2 of fp32, and faster than
-CTranslate2's int8 at "small" and "base".
+copy, for the loss and for the target embeddings it is tied to. torch's default engine (FBGEMM)
+packs them; oneDNN's, with AMX, was 5 % faster at "base" and 11 % slower at "small" on an Intel
+Xeon. Measured (benchmarks/README.md, "int8 decoding"): test2016 BLEU within 0.15 of fp32, and
+faster than CTranslate2's int8 at "small" and "base".
 """
 
 from __future__ import annotations
 
 import warnings
 
-import torch
 from torch import Tensor, nn
 
 
@@ -36,14 +35,8 @@ def quantize_int8(model: nn.Module) -> nn.Module:
             warnings.simplefilter("ignore")
             return DynamicInt8Linear.from_float(shadow)
 
-    engine = torch.backends.quantized.engine
-    if _has_cpu_flag("amx_int8") and "onednn" in torch.backends.quantized.supported_engines:
-        torch.backends.quantized.engine = "onednn"  # packing picks the kernels; restored below
-    try:
-        _swap(model, int8)
-        model.output_proj = Int8Projection(model.output_proj, int8(model.output_proj))
-    finally:
-        torch.backends.quantized.engine = engine
+    _swap(model, int8)
+    model.output_proj = Int8Projection(model.output_proj, int8(model.output_proj))
     return model
 
 
@@ -66,11 +59,3 @@ class Int8Projection(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.quantized(x)
 
-
-def _has_cpu_flag(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists ``flag`` (False where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and flag in line.split() for line in cpuinfo)
-    except OSError:
-        return False
