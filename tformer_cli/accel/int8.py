@@ -5,7 +5,7 @@ scale per output row; activations quantized per call; products on int8 kernels. 
 projection, the largest product of a decoding step at "base", keeps its fp32 weight beside the int8
 copy, for the loss and for the target embeddings it is tied to. torch's default engine (FBGEMM)
 packs them; oneDNN's, with AMX, was 5 % faster at "base" and 11 % slower at "small" on an Intel
-Xeon. Measured (benchmarks/README.md, "int8 decoding"): test2016 BLEU within 0.15 of fp32, and
+Xeon. Measured (benchmarks/README.md, "int8 decoding"): test2016 BLEU within 0.25 of fp32, and
 faster than CTranslate2's int8 at "small" and "base".
 """
 
