@@ -173,7 +173,7 @@ def test_worker_processes_encode_a_split_as_one_process_does(tmp_path, monkeypat
                      max_length=16)
     vocab = Vocabulary.train([(r["de"], r["en"]) for r in ROWS], vocab_size=60, min_frequency=1)
     monkeypatch.setattr(data, "ENCODE_IN_WORKERS", 1)  # any split: workers
-    monkeypatch.setattr(data, "_cpus", lambda: {0, 1, 2})  # three of them, so that the ranges are uneven
+    monkeypatch.setattr(data, "usable_cpus", lambda: 3)  # three of them, so that the ranges are uneven
     parallel = load_encoded(cfg, "train", vocab)
     serial = encode_split(load_pairs(cfg, "train"), vocab, cfg)
     assert parallel.src == serial.src and parallel.tgt == serial.tgt and list(parallel.pairs) == list(serial.pairs)

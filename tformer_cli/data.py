@@ -25,7 +25,7 @@ from tformer_cli.config import DataConfig
 from tformer_cli.errors import CheckpointError, DataError, first_line
 from tformer_cli.files import replacing
 from tformer_cli.sequences import Sequences, TextPairs
-from tformer_cli.tokenizer import PAD_ID, RECIPE, Vocabulary
+from tformer_cli.tokenizer import PAD_ID, RECIPE, Vocabulary, usable_cpus
 
 # Encoded splits cached in an earlier layout are not read (3: safetensors, no pickle)
 CACHE_FORMAT = 3
@@ -371,7 +371,7 @@ def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
         except (OSError, ValueError) as exc:
             notice(f"rebuilding the cached encoding {path}: {exc}")
     pairs = read_pairs(cfg, split)
-    workers = min(len(_cpus()), MAX_ENCODE_WORKERS) if len(pairs) >= ENCODE_IN_WORKERS else 1
+    workers = min(usable_cpus(), MAX_ENCODE_WORKERS) if len(pairs) >= ENCODE_IN_WORKERS else 1
     encoded = _encode_in_workers(cfg, split, vocab, len(pairs), workers) if workers > 1 \
         else encode_split(pairs, vocab, cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -382,10 +382,6 @@ def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
     except (CheckpointError, OSError, ValueError) as exc:  # no cache costs time next run, nothing else
         notice(str(exc))
         return encoded
-
-
-def _cpus() -> set[int]:
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
 def _encode_in_workers(cfg: DataConfig, split: str, vocab: Vocabulary, size: int, workers: int) -> EncodedSplit:
@@ -400,7 +396,7 @@ def _encode_in_workers(cfg: DataConfig, split: str, vocab: Vocabulary, size: int
     cache_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="encoding-", dir=cache_dir()) as folder:
         paths = [Path(folder) / f"part-{i}.safetensors" for i in range(workers)]
-        threads = max(1, len(_cpus()) // workers)
+        threads = max(1, usable_cpus() // workers)
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_encoding_worker,
                                  initargs=(threads,)) as pool:
             for done in [pool.submit(_encode_part, cfg, split, vocab, a, b, p)

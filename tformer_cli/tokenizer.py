@@ -16,10 +16,16 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tformer_cli.errors import CheckpointError, first_line
 from tformer_cli.files import write_text_atomic
 
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 # tokenizers' own count of the CPUs can come out as one (benchmarks/README.md, "Data at the paper's
 # scale"): its thread pool gets the CPUs this process may run on, unless the user set it
-os.environ.setdefault("RAYON_RS_NUM_CPUS", str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                                else os.cpu_count() or 1))
+os.environ.setdefault("RAYON_RS_NUM_CPUS", str(usable_cpus()))
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]  # ids 0, 1, 2, 3
