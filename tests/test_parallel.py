@@ -27,6 +27,13 @@ def _torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
+def _torchrun_ok(processes: int, *args: str) -> subprocess.CompletedProcess:
+    """``_torchrun`` that must succeed; a failure shows the processes' stderr."""
+    result = _torchrun(processes, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def _one_process(*args: str) -> None:
     result = CliRunner().invoke(app, [*args, "--quiet"])
     assert result.exit_code == 0, result.output
@@ -60,8 +67,7 @@ def config(tmp_path):
 def test_ddp_two_processes_train_as_one_process_accumulating_two_batches(tmp_path, config):
     one, two = tmp_path / "one", tmp_path / "two"
     _one_process("train", str(config), "--output-dir", str(one), "--set", "train.grad_accum=2")
-    both = _torchrun(2, "train", str(config), "--output-dir", str(two), "--quiet", "--json")
-    assert both.returncode == 0, both.stderr[-3000:]
+    both = _torchrun_ok(2, "train", str(config), "--output-dir", str(two), "--quiet", "--json")
     summary = json.loads(both.stdout)  # rank 0 alone prints
     assert summary["step"] == 4 and summary["stop_reason"] == "reached train.max_steps 4"
     # every step the same gradients, so the same weights, losses and validation
@@ -71,16 +77,14 @@ def test_ddp_two_processes_train_as_one_process_accumulating_two_batches(tmp_pat
     _assert_same_losses(one, two)
     # two processes' first 2 steps, resumed by one process taking two batches a step: the same run
     halfway = tmp_path / "halfway"
-    assert _torchrun(2, "train", str(config), "--output-dir", str(halfway), "--quiet",
-                     "--set", "train.max_steps=2").returncode == 0
+    _torchrun_ok(2, "train", str(config), "--output-dir", str(halfway), "--quiet", "--set", "train.max_steps=2")
     _one_process("train", "--resume", str(halfway), "--set", "train.max_steps=4", "--set", "train.grad_accum=2")
     _assert_same_weights(two, halfway)
     # resumed by two processes, the run goes on from its last checkpoint; a time limit stops both at
     # one step (rank 0's clock), or one would wait forever for the other's gradients
     limit = summary["elapsed"] + 2
-    more = _torchrun(2, "train", "--resume", str(two), "--set", "train.max_steps=null", "--set",
+    more = _torchrun_ok(2, "train", "--resume", str(two), "--set", "train.max_steps=null", "--set",
                      f"train.max_time={limit}", "--quiet", "--json")
-    assert more.returncode == 0, more.stderr[-3000:]
     resumed = json.loads(more.stdout)
     assert resumed["stop_reason"] == f"reached train.max_time {limit:g} s" and resumed["step"] > 4
 
@@ -89,8 +93,7 @@ def test_ddp_two_processes_train_as_one_process_accumulating_two_batches(tmp_pat
 def test_ddp_accumulates_without_syncing_until_the_last_batch(tmp_path, config):
     one, two = tmp_path / "one", tmp_path / "two"
     _one_process("train", str(config), "--output-dir", str(one), "--set", "train.grad_accum=4")
-    both = _torchrun(2, "train", str(config), "--output-dir", str(two), "--quiet", "--set", "train.grad_accum=2")
-    assert both.returncode == 0, both.stderr[-3000:]
+    _torchrun_ok(2, "train", str(config), "--output-dir", str(two), "--quiet", "--set", "train.grad_accum=2")
     _assert_same_weights(one, two)
     _assert_same_losses(one, two)
 
@@ -102,9 +105,8 @@ def test_fsdp_shards_and_trains_as_one_process_and_resumes_on_any_number(tmp_pat
     one, sharded = tmp_path / "one", tmp_path / "sharded"
     _one_process("train", str(config), "--output-dir", str(one), "--set", "train.grad_accum=2",
                  "--set", "train.ema_decay=0.9")
-    both = _torchrun(2, "train", str(config), "--output-dir", str(sharded), "--quiet", "--set", "train.parallel=fsdp",
-                     "--set", "train.ema_decay=0.9")
-    assert both.returncode == 0, both.stderr[-3000:]
+    _torchrun_ok(2, "train", str(config), "--output-dir", str(sharded), "--quiet", "--set", "train.parallel=fsdp",
+                 "--set", "train.ema_decay=0.9")
     for checkpoint in ("", "checkpoints/step-00000002", "checkpoints/step-00000004", "checkpoints/ema"):
         _assert_same_weights(one, sharded, checkpoint)
     _assert_same_losses(one, sharded)
@@ -116,23 +118,21 @@ def test_fsdp_shards_and_trains_as_one_process_and_resumes_on_any_number(tmp_pat
                  "--set", "train.max_steps=6")
     for name, how in (("alone", None), ("ddp", "ddp"), ("fsdp", "fsdp")):
         run = tmp_path / name
-        assert _torchrun(2, "train", str(config), "--output-dir", str(run), "--quiet", "--set", "train.max_steps=2",
-                         "--set", "train.parallel=fsdp").returncode == 0
+        _torchrun_ok(2, "train", str(config), "--output-dir", str(run), "--quiet", "--set", "train.max_steps=2",
+                     "--set", "train.parallel=fsdp")
         more = ["--set", "train.max_steps=6"]
         if how is None:
             _one_process("train", "--resume", str(run), *more, "--set", "train.grad_accum=2")
         else:
-            resumed = _torchrun(2, "train", "--resume", str(run), "--quiet", *more, "--set", f"train.parallel={how}")
-            assert resumed.returncode == 0, resumed.stderr[-3000:]
+            _torchrun_ok(2, "train", "--resume", str(run), "--quiet", *more, "--set", f"train.parallel={how}")
         _assert_same_weights(straight, run)
 
 
 @pytest.mark.slow
 def test_fsdp_trains_in_bf16(tmp_path, config):
     run = tmp_path / "bf16"
-    result = _torchrun(2, "train", str(config), "--output-dir", str(run), "--quiet", "--json",
-                       "--set", "train.parallel=fsdp", "--set", "train.precision=bf16", "--set", "train.max_steps=8")
-    assert result.returncode == 0, result.stderr[-3000:]
+    _torchrun_ok(2, "train", str(config), "--output-dir", str(run), "--quiet", "--json",
+                 "--set", "train.parallel=fsdp", "--set", "train.precision=bf16", "--set", "train.max_steps=8")
     losses = [r["loss"] for r in _records(run) if r["split"] == "train"]
     assert len(losses) == 4 and losses[-1] < losses[0]
     weights = load_file(str(run / "model.safetensors"))
@@ -144,12 +144,30 @@ def test_two_processes_with_dropout_resume_bit_for_bit(tmp_path):
     config = write_config(tmp_path / "d.yaml", model={"dropout": 0.3}, data={"max_samples": 800},
                           train={"max_steps": 4, "save_every": 2, "eval_every": 1000})
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert _torchrun(2, "train", str(config), "--output-dir", str(straight), "--quiet").returncode == 0
-    first = _torchrun(2, "train", str(config), "--output-dir", str(resumed), "--quiet", "--set", "train.max_steps=2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert _torchrun(2, "train", "--resume", str(resumed), "--set", "train.max_steps=4", "--quiet").returncode == 0
+    _torchrun_ok(2, "train", str(config), "--output-dir", str(straight), "--quiet")
+    _torchrun_ok(2, "train", str(config), "--output-dir", str(resumed), "--quiet", "--set", "train.max_steps=2")
+    _torchrun_ok(2, "train", "--resume", str(resumed), "--set", "train.max_steps=4", "--quiet")
     ours, theirs = (load_file(str(step_checkpoints(run)[-1] / "model.safetensors")) for run in (straight, resumed))
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+@pytest.mark.parametrize(("argv", "code", "skipped"), [(["--help"], 0, [0]), (["no-such-command"], 2, [])])
+def test_a_process_that_left_its_group_and_succeeded_skips_the_teardown(monkeypatch, capsys, argv, code, skipped):
+    """After the process group, a successful process skips the interpreter's teardown (gloo's threads
+    can abort it) with its output flushed; a failing one, or one that never joined, ends as usual."""
+    from tformer_cli import cli, parallel
+
+    ended = []
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
+    monkeypatch.setattr(os, "_exit", ended.append)
+    monkeypatch.setattr(sys, "argv", ["tformer", *argv])
+    for left, expected in ((False, []), (True, skipped)):
+        monkeypatch.setattr(parallel, "left_group", left)
+        with pytest.raises(SystemExit) as done:
+            cli.main()
+        assert done.value.code == code and ended == expected
+    printed = capsys.readouterr()
+    assert "Usage" in printed.out + printed.err
 
 
 def test_a_mistake_stops_every_process_with_one_line_each(tmp_path):

@@ -6,6 +6,7 @@ Heavy imports (torch, datasets) happen inside command bodies so that `tformer --
 from __future__ import annotations
 
 import signal
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -354,7 +355,13 @@ def count_params(
 def main() -> None:
     # SIGTERM (a scheduler's or a container's stop) is handled like Ctrl-C: one line and exit status 143
     signal.signal(signal.SIGTERM, _terminate)
-    app()
+    try:
+        app()
+    except SystemExit as done:
+        parallel = sys.modules.get("tformer_cli.parallel")  # imported by `train` alone
+        if parallel is not None and parallel.left_group and done.code in (0, None):
+            parallel.end_process()
+        raise
 
 
 def _terminate(signum: int, frame) -> None:  # noqa: ANN001 - the signal module's signature

@@ -23,11 +23,13 @@ figures, so all agree on the best step and on early stopping. Checkpoints hold w
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,7 @@ from tformer_cli.errors import TformerError
 # How long a process waits in a collective for the others: long enough for rank 0 to validate with BLEU
 # while the others wait for its figures, short enough that a process stuck without a peer ends.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+left_group = False  # set by ``leave``: a successful process then ends through ``end_process``
 
 
 @dataclass(frozen=True)
@@ -180,5 +183,23 @@ def join(device: torch.device) -> Workers:
 
 
 def leave() -> None:
+    """Leave the process group, if this process joined one. The DDP or FSDP wrappers' reference cycles
+    (they hold the group and tensors its threads may still release) are collected first, while the
+    interpreter is whole."""
+    global left_group
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+        left_group = True
+
+
+def end_process() -> NoReturn:
+    """End a process that left its process group after a successful command (exit status 0), skipping
+    the interpreter's teardown: gloo's threads can still drop the last reference to a tensor then, and
+    taking the GIL during finalization aborts the process (SIGABRT, "terminate called without an active
+    exception"; pytorch/pytorch#190489), so that torchrun would report a finished run as failed.
+    Everything tformer writes is closed by now. A failing process ends as usual: its teardown leaves
+    the others time to see the group break and say so, before torchrun stops them."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
