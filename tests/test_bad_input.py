@@ -105,6 +105,7 @@ def _config_cases() -> list[Case]:
                     ("model", "layer_norm_eps", 0, "must be > 0"), ("data", "vocab_size", 3, "must be >= 16"),
                     ("data", "max_length", 2, "must be >= 3"), ("data", "max_length", 100, "100 exceeds model.max_len 64"),
                     ("data", "max_samples", 0, "must be > 0"), ("data", "bpe_dropout", 1.5, "must be in [0, 1)"),
+                    ("data", "bpe_max_pairs", 0, "must be > 0 (or null: every pair)"),
                     ("train", "lr", -1, "must be > 0"), ("train", "lr", 0, "must be > 0"),
                     ("train", "max_tokens", 10, "10 is smaller than one sequence"), ("train", "grad_accum", 0, "must be >= 1"),
                     ("train", "eps", -5, "must be > 0"), ("train", "label_smoothing", 1.0, "must be in [0, 1)"),

@@ -153,6 +153,22 @@ def test_encode_split_drops_empty_and_drops_or_truncates_long_pairs():
     assert len(truncated.src[1]) == 8 and truncated.src[1][-1] == vocab.encode_sources(["a"])[0][-1]
 
 
+def test_bpe_learns_from_blocks_spread_over_the_whole_split_when_it_is_larger_than_bpe_max_pairs():
+    from tformer_cli.tokenizer import _batches
+
+    pairs = [(f"s{i}", f"t{i}") for i in range(100)]
+    sampled = list(_batches(pairs, (0, 1), max_pairs=30, size=10))
+    assert [batch[::2] for batch in sampled] == [[f"s{i}" for i in range(start, start + 10)] for start in (0, 45, 90)]
+    assert sampled[0][:2] == ["s0", "t0"]  # both sides of a pair, together
+    assert [t for batch in _batches(pairs, (1,), max_pairs=100, size=30) for t in batch] == [p[1] for p in pairs]
+    # the vocabulary holds what the sample holds: a word only outside it is never merged
+    rare = [("zebra zebra", "zebra zebra")] * 20
+    vocab = Vocabulary.train([("a house", "ein Haus")] * 10_000 + rare, vocab_size=60, min_frequency=1,
+                             max_pairs=10_000)
+    assert "▁zebra" not in vocab.source.get_vocab()
+    assert "▁zebra" in Vocabulary.train(rare, vocab_size=60, min_frequency=1).source.get_vocab()
+
+
 def test_encoded_splits_are_cached(tmp_path):
     path = _jsonl(tmp_path / "train.jsonl", ROWS)
     cfg = DataConfig(data_files={"train": path}, source="de", target="en")

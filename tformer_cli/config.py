@@ -75,6 +75,9 @@ class DataConfig:
     vocab_size: int = 37000  # BPE vocabulary, special tokens included
     joint_vocab: bool = True  # one vocabulary for both sides (needed by share_embeddings all)
     min_frequency: int = 2  # of a BPE merge
+    # learn BPE on at most this many training pairs, in blocks spread over the split (null: all), as Marian's
+    # --sentencepiece-max-lines; encoding still covers every pair
+    bpe_max_pairs: Optional[int] = 2_000_000
     lowercase: bool = False  # lowercase the text before BPE
     # BPE-dropout (Provilkov et al. 2020): while training, each merge is skipped with this probability and the
     # training split is segmented afresh every epoch; validation, test and decoding keep the plain segmentation.
@@ -277,6 +280,8 @@ def _validate_data(d: DataConfig, m: ModelConfig, need: Need) -> None:
          f"{d.max_length} exceeds model.max_len {m.max_len}; lower it or raise model.max_len")
     need(0.0 <= d.bpe_dropout < 1.0, "data.bpe_dropout", f"must be in [0, 1), got {d.bpe_dropout}")
     need(d.vocab_size >= 16, "data.vocab_size", f"must be >= 16, got {d.vocab_size}")
+    need(d.bpe_max_pairs is None or d.bpe_max_pairs > 0, "data.bpe_max_pairs",
+         f"must be > 0 (or null: every pair), got {d.bpe_max_pairs}")
     need(d.joint_vocab or m.share_embeddings != "all", "model.share_embeddings",
          "'all' needs data.joint_vocab: true; use 'decoder' with separate vocabularies")
 

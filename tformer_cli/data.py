@@ -500,7 +500,8 @@ def train_or_load_vocabulary(cfg: DataConfig, notice: Callable[[str], None] = la
         except CheckpointError as exc:
             notice(f"relearning the cached vocabulary: {exc}")
     pairs = read_pairs(cfg, cfg.train_split)
-    vocab = Vocabulary.train(pairs, cfg.vocab_size, cfg.joint_vocab, cfg.min_frequency, cfg.lowercase)
+    vocab = Vocabulary.train(pairs, cfg.vocab_size, cfg.joint_vocab, cfg.min_frequency, cfg.lowercase,
+                             cfg.bpe_max_pairs)
     folder.mkdir(parents=True, exist_ok=True)
     vocab.save(folder)
     return vocab
