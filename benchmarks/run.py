@@ -4,7 +4,12 @@
     python benchmarks/run.py --workloads train,greedy --sizes small --json results.json
     python benchmarks/run.py --device cuda                    # bf16 autocast on a GPU
     python benchmarks/run.py --precision bf16                 # bf16 autocast on a CPU with AVX-512 BF16 / AMX
+    python benchmarks/run.py --device cuda --scale paper      # base and big, ~25,000 target tokens a step
 
+`--scale paper` trains as the paper did instead of on one fixed batch of 24-token sentences: steps of
+about 25,000 target tokens (`--paper-tokens`) cut by tformer's own batching from sentence pairs whose
+lengths are drawn like real data (mean ~27 tokens, a tail past 100), a few different steps
+(`--paper-steps`) per repetition, nn.Transformer under torch.compile; sizes base and big by default.
 For each workload and size, the systems run alternately in one fresh process, several timed
 repetitions after warm-up; the table gives medians, min-max and tformer's ratio to the best peer.
 Peers: torch's nn.Transformer (a), Hugging Face MarianMTModel (b), x-transformers (c), and for
@@ -28,7 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from systems import DEFAULT_PEERS, LIBRARIES, PEERS, SIZES, Tformer, available_peers, make_batch  # noqa: E402
+from systems import (DEFAULT_PEERS, LIBRARIES, PAD, PEERS, SIZES, Tformer, available_peers,  # noqa: E402
+                     make_batch, paper_batches)
 
 import systems  # noqa: E402
 from tformer_cli.accel.linear import PACKING, PACKING_BF16  # noqa: E402
@@ -70,6 +76,7 @@ def _now(device: torch.device) -> float:
 
 
 PRECISION = "fp32"  # set once by main(): every system runs under the same autocast
+PAPER: tuple[int, int] | None = None  # set by main() with --scale paper: (target tokens a step, steps)
 
 
 def _autocast(device: torch.device):
@@ -105,23 +112,34 @@ def _alternate(systems, operation, work: float, device, repeats: int, warmup: in
     return rates
 
 
-def train_flops_per_step(size_name: str, target_tokens: int) -> float:
+def train_flops_per_step(size_name: str, target_tokens: int, src_per_tgt: float = 1.0) -> float:
     from tformer_cli.config import ModelConfig
     from tformer_cli.params import train_flops_per_token
 
     s = SIZES[size_name]
     cfg = ModelConfig(d_model=s.d_model, num_heads=s.heads, num_encoder_layers=s.layers,
                       num_decoder_layers=s.layers, d_ff=s.d_ff)
-    return train_flops_per_token(cfg, s.vocab, src_per_tgt=1.0) * target_tokens
+    return train_flops_per_token(cfg, s.vocab, src_per_tgt=src_per_tgt) * target_tokens
+
+
+def train_batches(size: str, device, train_batch: int) -> list:
+    """The batches one timed repetition trains on: one of ``train_batch`` sentences of 24 tokens, or
+    with --scale paper a few steps of real-length sentences at the paper's tokens a step."""
+    if PAPER is None:
+        return [make_batch(SIZES[size], train_batch, 24, device)]
+    tokens, steps = PAPER
+    return paper_batches(SIZES[size], tokens, steps, device)
 
 
 def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, train_batch: int = 64) -> list[dict]:
     systems = _systems(size, device, peers)
     if workload == "train":
         systems = [s for s in systems if s.supports_train]
-        batch = make_batch(SIZES[size], train_batch, 24, device)
-        rates = _alternate(systems, lambda s: s.train_step(batch), batch.target_tokens, device, repeats, warmup)
-        unit, flops = "target tok/s", train_flops_per_step(size, batch.target_tokens) / batch.target_tokens
+        batches = train_batches(size, device, train_batch)
+        target = sum(b.target_tokens for b in batches)
+        src_per_tgt = sum(int((b.src != PAD).sum()) for b in batches) / target
+        rates = _alternate(systems, lambda s: [s.train_step(b) for b in batches], target, device, repeats, warmup)
+        unit, flops = "target tok/s", train_flops_per_step(size, 1, src_per_tgt)
     else:
         batch_size, beams = (64, 1) if workload == "greedy" else (16, 4)
         src = make_batch(SIZES[size], batch_size, 24, device).src
@@ -148,9 +166,15 @@ def run_speed_fresh(workload: str, size: str, args: argparse.Namespace, peers: l
     command = [sys.executable, __file__, "--probe-speed", workload, size, "--peak", repr(peak),
                "--device", args.device, "--precision", PRECISION, "--accel", systems.ACCEL, "--accel-skip", ",".join(systems.ACCEL_SKIP),
                "--peers", ",".join(peers),
-               "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--train-batch", str(args.train_batch)]
+               "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--train-batch", str(args.train_batch),
+               *_scale_flags(args)]
     out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _scale_flags(args: argparse.Namespace) -> list[str]:
+    """--scale and its sizes, for the fresh processes."""
+    return ["--scale", args.scale, "--paper-tokens", str(args.paper_tokens), "--paper-steps", str(args.paper_steps)]
 
 
 def _status_mib(field: str) -> float:
@@ -189,15 +213,16 @@ def probe_memory(system_key: str, size: str, device_name: str, precision: str) -
     _process_settings()
     cls = Tformer if system_key == "tformer" else PEERS[system_key]
     importlib.import_module(LIBRARIES[system_key])  # library code is loaded before the baseline
-    batch = make_batch(SIZES[size], 64, 24, device)
+    batches = train_batches(size, device, 64)
     _reset_peak_rss()
     base = _status_mib("VmRSS")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     system = cls(SIZES[size], device, fused=True)
-    for _ in range(3):
-        with _autocast(device):
-            system.train_step(batch)
+    for _ in range(3 if PAPER is None else 1):
+        for batch in batches:
+            with _autocast(device):
+                system.train_step(batch)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
@@ -205,7 +230,7 @@ def probe_memory(system_key: str, size: str, device_name: str, precision: str) -
     return {"system": system.name, "peak_mib": peak}
 
 
-def run_memory(size: str, device, peers, repeats: int = 3) -> list[dict]:
+def run_memory(size: str, device, peers, repeats: int, scale_flags: list[str]) -> list[dict]:
     """Each system's peak in ``repeats`` fresh processes: a CPU peak moves by tens of MiB between runs."""
     records = []
     unit = "MiB CUDA peak" if device.type == "cuda" else "MiB peak RSS"
@@ -213,7 +238,7 @@ def run_memory(size: str, device, peers, repeats: int = 3) -> list[dict]:
         peaks = []
         for _ in range(repeats):
             out = subprocess.run([sys.executable, __file__, "--probe-memory", key, size, device.type, PRECISION,
-                                  "--accel", systems.ACCEL, "--accel-skip", ",".join(systems.ACCEL_SKIP)],
+                                  "--accel", systems.ACCEL, "--accel-skip", ",".join(systems.ACCEL_SKIP), *scale_flags],
                                  capture_output=True, text=True, check=True)
             probe = json.loads(out.stdout.strip().splitlines()[-1])
             peaks.append(probe["peak_mib"])
@@ -299,8 +324,12 @@ def _at_least(minimum: int):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--sizes", default="small,base")
+    parser.add_argument("--workloads", help=f"of {','.join(WORKLOADS)} (default: all; train,memory with --scale paper)")
+    parser.add_argument("--sizes", help="of small,base,big (default: small,base; base,big with --scale paper)")
+    parser.add_argument("--scale", default="suite", choices=["suite", "paper"],
+                        help="suite: one fixed batch of 24-token sentences a step; paper: real lengths, 25k tokens a step")
+    parser.add_argument("--paper-tokens", type=_at_least(64), default=25_000, help="target tokens a step (--scale paper)")
+    parser.add_argument("--paper-steps", type=_at_least(1), default=6, help="different steps a repetition (--scale paper)")
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                         help="peers to compare with; also tformer-int8 (--precision int8 decoding, CPU only)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -325,12 +354,18 @@ def main(argv: list[str] | None = None) -> None:
     args.repeats = args.repeats or (11 if on_cuda else 5)
     args.memory_repeats = args.memory_repeats or (1 if on_cuda else 3)
     args.train_batch = args.train_batch or (512 if on_cuda else 64)
+    paper = args.scale == "paper"
+    args.workloads = args.workloads or ("train,memory" if paper else ",".join(WORKLOADS))
+    args.sizes = args.sizes or ("base,big" if paper else "small,base")
     for flag, given, known in (("--workloads", args.workloads, WORKLOADS), ("--sizes", args.sizes, SIZES)):
         unknown = sorted(set(given.split(",")) - set(known))
         if unknown:
             parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     global PRECISION
     PRECISION = args.precision or ("bf16" if on_cuda else "fp32")
+    global PAPER
+    PAPER = (args.paper_tokens, args.paper_steps) if paper else None
+    systems.COMPILE_PEERS = paper
     systems.ACCEL = args.accel
     systems.ACCEL_SKIP = tuple(piece for piece in args.accel_skip.split(",") if piece)
     if args.probe_memory:
@@ -355,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
             if workload in ("train", "greedy", "beam"):
                 records += run_speed_fresh(workload, size, args, peers, peak)
             elif workload == "memory":
-                records += run_memory(size, device, peers, args.memory_repeats)
+                records += run_memory(size, device, peers, args.memory_repeats, _scale_flags(args))
         if workload == "data":
             step = next((args.train_batch * 24 / r["median"] for r in records
                          if r["workload"] == "train" and r["system"] == "tformer" and r["size"] == "small"), None)

@@ -38,7 +38,9 @@ class Size:
 SIZES = {
     "small": Size("small", 256, 3, 4, 1024, 8000),
     "base": Size("base", 512, 6, 8, 2048, 37000),
+    "big": Size("big", 1024, 6, 16, 4096, 37000),  # the paper's Transformer (big)
 }
+COMPILE_PEERS = False  # torch.compile nn.Transformer (benchmarks/run.py --scale paper: peers at their best)
 
 
 @dataclass
@@ -58,6 +60,37 @@ def make_batch(size: Size, batch: int, length: int, device: torch.device, seed: 
     tgt = torch.randint(4, size.vocab, (batch, length + 1), generator=generator)
     src[:, -1], tgt[:, 0] = EOS, BOS
     return TrainBatch(src.to(device), tgt[:, :-1].to(device), tgt[:, 1:].to(device))
+
+
+def paper_batches(size: Size, target_tokens: int, count: int, device: torch.device, seed: int = 0) -> list[TrainBatch]:
+    """``count`` training batches as ``tformer train`` makes them at the paper's scale: sentence pairs
+    with lengths drawn like real data (target mean ~27 tokens, a tail past 100; the source within
+    ~15 % of its target), sorted and cut into batches of about ``target_tokens`` padded tokens by
+    tformer's own batching (``data.token_batches``), ``count`` of them taken from the shuffled order."""
+    from tformer_cli.data import token_batches
+
+    generator = torch.Generator().manual_seed(seed)
+    src_lengths, tgt_lengths = paper_lengths(max(4 * count * target_tokens // 27, 64), generator)
+    batches = []
+    for indices in token_batches(src_lengths, tgt_lengths, target_tokens, seed=seed)[:count]:
+        S, T = max(src_lengths[i] for i in indices), max(tgt_lengths[i] for i in indices)
+        src_ids = torch.full((len(indices), S), PAD, dtype=torch.long)
+        tgt_ids = torch.full((len(indices), T + 1), PAD, dtype=torch.long)
+        for row, i in enumerate(indices):
+            src_ids[row, :src_lengths[i]] = torch.randint(4, size.vocab, (src_lengths[i],), generator=generator)
+            src_ids[row, src_lengths[i] - 1] = EOS
+            tgt_ids[row, 1:tgt_lengths[i]] = torch.randint(4, size.vocab, (tgt_lengths[i] - 1,), generator=generator)
+            tgt_ids[row, 0], tgt_ids[row, tgt_lengths[i]] = BOS, EOS
+        batches.append(TrainBatch(src_ids.to(device), tgt_ids[:, :-1].to(device), tgt_ids[:, 1:].to(device)))
+    return batches
+
+
+def paper_lengths(pairs: int, generator: torch.Generator) -> tuple[list[int], list[int]]:
+    """Source and target lengths in tokens, EOS included, of ``pairs`` sentence pairs drawn like WMT's:
+    log-normal targets (mean ~27, ~0.3 % past 100), each source within ~15 % of its target."""
+    tgt = torch.exp(3.1 + 0.55 * torch.randn(pairs, generator=generator)).round().clamp(2, 250)
+    src = (tgt * torch.exp(0.15 * torch.randn(pairs, generator=generator))).round().clamp(2, 250)
+    return (src.long() + 1).tolist(), (tgt.long() + 1).tolist()
 
 
 def _adam(params, fused: bool):
@@ -176,13 +209,14 @@ class TorchBuiltin(System):
     """(a) What a PyTorch user writes from built-ins: nn.Transformer, tied output, F.cross_entropy."""
 
     def __init__(self, size: Size, device: torch.device, fused: bool = False) -> None:
-        self.name = "torch nn.Transformer" + (" +fused AdamW" if fused else "")
+        self.name = "torch nn.Transformer" + (" +compile" if COMPILE_PEERS else "") + (" +fused AdamW" if fused else "")
         self.model = _BuiltinModel(size).to(device)
         self.optimizer = _adam(self.model.parameters(), fused)
         self.vocab = size.vocab
+        self.forward = torch.compile(self.model) if COMPILE_PEERS else self.model
 
     def logits(self, batch):
-        return self.model(batch.src, batch.tgt_in)
+        return self.forward(batch.src, batch.tgt_in)
 
     @torch.inference_mode()
     def greedy(self, src, new_tokens):

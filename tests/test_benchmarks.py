@@ -52,3 +52,19 @@ def test_the_table_says_whether_batching_stalls_a_training_step(capsys):
               "max": 26732.7, "unit": "pairs/s", "collate_ms_per_batch": 0.117, "collate_share_of_step": 0.00049}
     run.print_table([record], "cpu (2 cores)", 4.8e11)
     assert "collate 0.12 ms a batch, 0.05 % of a step" in capsys.readouterr().out
+
+
+def test_paper_scale_batches_have_real_lengths_and_the_papers_tokens_a_step():
+    sys.path.insert(0, str(RUN.parent))
+    import torch
+    from systems import BOS, EOS, PAD, SIZES, paper_batches, paper_lengths
+
+    src, tgt = (torch.tensor(side, dtype=torch.float) for side in paper_lengths(100_000, torch.Generator()))
+    assert 26 <= tgt.mean() <= 28 and 0.001 < (tgt > 100).float().mean() < 0.01  # mean ~27, a tail past 100
+    assert 0.95 < src.mean() / tgt.mean() < 1.05
+    batches = paper_batches(SIZES["small"], 25_000, 10, torch.device("cpu"))
+    assert len(batches) == 10 and sum(b.target_tokens for b in batches) > 0.75 * 10 * 25_000  # little padding
+    for b in batches:  # batched as tformer train batches: padded tokens of the longer side within the budget
+        assert b.src.numel() <= 25_000 and b.tgt_out.numel() <= 25_000
+        assert (b.tgt_in[:, 0] == BOS).all() and ((b.tgt_out == EOS).sum(dim=1) == 1).all()
+        assert ((b.src == EOS).sum(dim=1) == 1).all() and (b.src[:, 0] != PAD).all()
