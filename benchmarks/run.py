@@ -9,7 +9,8 @@
 `--scale paper` trains as the paper did instead of on one fixed batch of 24-token sentences: steps of
 about 25,000 target tokens (`--paper-tokens`) cut by tformer's own batching from sentence pairs whose
 lengths are drawn like real data (mean ~27 tokens, a tail past 100), a few different steps
-(`--paper-steps`) per repetition, nn.Transformer under torch.compile; sizes base and big by default.
+(`--paper-steps`) per repetition, nn.Transformer under torch.compile; decoding translates a test set
+of such lengths (`--paper-sentences`, 3,000) batched by tokens, in sentences/s; sizes base and big.
 For each workload and size, the systems run alternately in one fresh process, several timed
 repetitions after warm-up; the table gives medians, min-max and tformer's ratio to the best peer.
 Peers: torch's nn.Transformer (a), Hugging Face MarianMTModel (b), x-transformers (c), and for
@@ -34,7 +35,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from systems import (DEFAULT_PEERS, LIBRARIES, PAD, PEERS, SIZES, Tformer, available_peers,  # noqa: E402
-                     make_batch, paper_batches)
+                     make_batch, paper_batches, paper_sources)
 
 import systems  # noqa: E402
 from tformer_cli.accel.linear import PACKING, PACKING_BF16  # noqa: E402
@@ -76,7 +77,9 @@ def _now(device: torch.device) -> float:
 
 
 PRECISION = "fp32"  # set once by main(): every system runs under the same autocast
-PAPER: tuple[int, int] | None = None  # set by main() with --scale paper: (target tokens a step, steps)
+PAPER: tuple[int, int, int] | None = None  # set by main() with --scale paper: (tokens a step, steps, sentences)
+# --scale paper decodes batches of at most this many source tokens (beam search: times its 4 beams)
+PAPER_DECODE_TOKENS = {"greedy": 8192, "beam": 2048}
 
 
 def _autocast(device: torch.device):
@@ -127,28 +130,36 @@ def train_batches(size: str, device, train_batch: int) -> list:
     with --scale paper a few steps of real-length sentences at the paper's tokens a step."""
     if PAPER is None:
         return [make_batch(SIZES[size], train_batch, 24, device)]
-    tokens, steps = PAPER
+    tokens, steps, _ = PAPER
     return paper_batches(SIZES[size], tokens, steps, device)
 
 
 def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, train_batch: int = 64) -> list[dict]:
-    systems = _systems(size, device, peers)
+    systems.COMPILE_PEERS = PAPER is not None and workload == "train"  # the peers' training at its best
+    contenders = _systems(size, device, peers)
     if workload == "train":
-        systems = [s for s in systems if s.supports_train]
+        contenders = [s for s in contenders if s.supports_train]
         batches = train_batches(size, device, train_batch)
         target = sum(b.target_tokens for b in batches)
         src_per_tgt = sum(int((b.src != PAD).sum()) for b in batches) / target
-        rates = _alternate(systems, lambda s: [s.train_step(b) for b in batches], target, device, repeats, warmup)
+        rates = _alternate(contenders, lambda s: [s.train_step(b) for b in batches], target, device, repeats, warmup)
         unit, flops = "target tok/s", train_flops_per_step(size, 1, src_per_tgt)
     else:
         batch_size, beams = (64, 1) if workload == "greedy" else (16, 4)
-        src = make_batch(SIZES[size], batch_size, 24, device).src
-        systems = [s for s in systems if "fused" not in s.name]  # the optimizer plays no part in decoding
+        if PAPER is None:  # one batch, exactly 24 new tokens a sentence
+            batches, work, unit = [(make_batch(SIZES[size], batch_size, 24, device).src, 24)], batch_size * 24, "new tok/s"
+        else:  # a test set of real lengths
+            batches = paper_sources(SIZES[size], PAPER[2], PAPER_DECODE_TOKENS[workload], device)
+            work, unit = sum(src.shape[0] for src, _ in batches), "sentences/s"
+        contenders = [s for s in contenders if "fused" not in s.name]  # the optimizer plays no part in decoding
         if workload == "beam":
-            systems = [s for s in systems if s.supports_beam]
-        op = (lambda s: s.greedy(src, 24)) if workload == "greedy" else (lambda s: s.beam(src, 24, beams))
-        rates = _alternate(systems, op, batch_size * 24, device, repeats, warmup)
-        unit, flops = "new tok/s", None
+            contenders = [s for s in contenders if s.supports_beam]
+
+        def op(system):
+            for src, new_tokens in batches:
+                system.greedy(src, new_tokens) if beams == 1 else system.beam(src, new_tokens, beams)
+        rates = _alternate(contenders, op, work, device, repeats, warmup)
+        flops = None
     records = []
     for name, values in rates.items():
         record = {"workload": workload, "size": size, "system": name, "median": statistics.median(values),
@@ -174,7 +185,8 @@ def run_speed_fresh(workload: str, size: str, args: argparse.Namespace, peers: l
 
 def _scale_flags(args: argparse.Namespace) -> list[str]:
     """--scale and its sizes, for the fresh processes."""
-    return ["--scale", args.scale, "--paper-tokens", str(args.paper_tokens), "--paper-steps", str(args.paper_steps)]
+    return ["--scale", args.scale, "--paper-tokens", str(args.paper_tokens), "--paper-steps", str(args.paper_steps),
+            "--paper-sentences", str(args.paper_sentences)]
 
 
 def _status_mib(field: str) -> float:
@@ -211,6 +223,7 @@ def probe_memory(system_key: str, size: str, device_name: str, precision: str) -
     PRECISION = precision
     device = torch.device(device_name)
     _process_settings()
+    systems.COMPILE_PEERS = PAPER is not None
     cls = Tformer if system_key == "tformer" else PEERS[system_key]
     importlib.import_module(LIBRARIES[system_key])  # library code is loaded before the baseline
     batches = train_batches(size, device, 64)
@@ -324,12 +337,14 @@ def _at_least(minimum: int):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", help=f"of {','.join(WORKLOADS)} (default: all; train,memory with --scale paper)")
+    parser.add_argument("--workloads", help=f"of {','.join(WORKLOADS)} (default: all; train,memory,greedy,beam with --scale paper)")
     parser.add_argument("--sizes", help="of small,base,big (default: small,base; base,big with --scale paper)")
     parser.add_argument("--scale", default="suite", choices=["suite", "paper"],
                         help="suite: one fixed batch of 24-token sentences a step; paper: real lengths, 25k tokens a step")
     parser.add_argument("--paper-tokens", type=_at_least(64), default=25_000, help="target tokens a step (--scale paper)")
     parser.add_argument("--paper-steps", type=_at_least(1), default=6, help="different steps a repetition (--scale paper)")
+    parser.add_argument("--paper-sentences", type=_at_least(1), default=3000,
+                        help="sentences to translate, greedy and beam (--scale paper)")
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                         help="peers to compare with; also tformer-int8 (--precision int8 decoding, CPU only)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -355,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     args.memory_repeats = args.memory_repeats or (1 if on_cuda else 3)
     args.train_batch = args.train_batch or (512 if on_cuda else 64)
     paper = args.scale == "paper"
-    args.workloads = args.workloads or ("train,memory" if paper else ",".join(WORKLOADS))
+    args.workloads = args.workloads or ("train,memory,greedy,beam" if paper else ",".join(WORKLOADS))
     args.sizes = args.sizes or ("base,big" if paper else "small,base")
     for flag, given, known in (("--workloads", args.workloads, WORKLOADS), ("--sizes", args.sizes, SIZES)):
         unknown = sorted(set(given.split(",")) - set(known))
@@ -364,8 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     global PRECISION
     PRECISION = args.precision or ("bf16" if on_cuda else "fp32")
     global PAPER
-    PAPER = (args.paper_tokens, args.paper_steps) if paper else None
-    systems.COMPILE_PEERS = paper
+    PAPER = (args.paper_tokens, args.paper_steps, args.paper_sentences) if paper else None
     systems.ACCEL = args.accel
     systems.ACCEL_SKIP = tuple(piece for piece in args.accel_skip.split(",") if piece)
     if args.probe_memory:

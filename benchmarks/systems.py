@@ -85,6 +85,26 @@ def paper_batches(size: Size, target_tokens: int, count: int, device: torch.devi
     return batches
 
 
+def paper_sources(size: Size, sentences: int, batch_tokens: int, device: torch.device,
+                  seed: int = 0) -> list[tuple[torch.Tensor, int]]:
+    """``sentences`` sources with real lengths (``paper_lengths``), batched by tokens in length order as
+    ``tformer eval`` batches a test set, each batch with the tokens to decode for it: its longest source's
+    length (a translation is about as long as its source; no system stops early)."""
+    from tformer_cli.data import token_batches
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths, _ = paper_lengths(sentences, generator)
+    batches = []
+    for indices in token_batches(lengths, lengths, batch_tokens, shuffle=False):
+        longest = max(lengths[i] for i in indices)
+        src = torch.full((len(indices), longest), PAD, dtype=torch.long)
+        for row, i in enumerate(indices):
+            src[row, :lengths[i]] = torch.randint(4, size.vocab, (lengths[i],), generator=generator)
+            src[row, lengths[i] - 1] = EOS
+        batches.append((src.to(device), longest))
+    return batches
+
+
 def paper_lengths(pairs: int, generator: torch.Generator) -> tuple[list[int], list[int]]:
     """Source and target lengths in tokens, EOS included, of ``pairs`` sentence pairs drawn like WMT's:
     log-normal targets (mean ~27, ~0.3 % past 100), each source within ~15 % of its target."""

@@ -68,3 +68,15 @@ def test_paper_scale_batches_have_real_lengths_and_the_papers_tokens_a_step():
         assert b.src.numel() <= 25_000 and b.tgt_out.numel() <= 25_000
         assert (b.tgt_in[:, 0] == BOS).all() and ((b.tgt_out == EOS).sum(dim=1) == 1).all()
         assert ((b.src == EOS).sum(dim=1) == 1).all() and (b.src[:, 0] != PAD).all()
+
+
+def test_paper_scale_decoding_translates_a_test_set_batched_by_tokens():
+    sys.path.insert(0, str(RUN.parent))
+    import torch
+    from systems import EOS, PAD, SIZES, paper_sources
+
+    batches = paper_sources(SIZES["small"], 3000, 8192, torch.device("cpu"))
+    assert sum(src.shape[0] for src, _ in batches) == 3000
+    for src, new_tokens in batches:  # every sentence once, its EOS last, as many new tokens as the longest source
+        assert src.numel() <= 8192 and new_tokens == src.shape[1] and ((src == EOS).sum(dim=1) == 1).all()
+        assert (src[:, -1] == EOS).any() and (src[:, 0] != PAD).all()
