@@ -17,7 +17,6 @@ from tformer_cli.errors import CheckpointError, first_line
 from tformer_cli.files import write_text_atomic
 
 
-
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity where the OS tells it)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -150,7 +149,8 @@ def _read(path: Path) -> Tokenizer:
 
 
 def _ids(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
-    # encode_batch_fast leaves out the character offsets, which tformer does not use (13 % faster)
+    # encode_batch_fast (tokenizers >= 0.20) leaves out the character offsets, which tformer does not
+    # use (13 % faster)
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
 
