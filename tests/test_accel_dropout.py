@@ -82,3 +82,19 @@ def test_random_words_are_splitmix64_seeded_from_torchs_generator():
     reference = _splitmix64(seed % 2**64, 70_000)
     assert words[:1000].tolist() == reference[:1000] and words[-1000:].tolist() == reference[-1000:]
     assert random_words(8).tolist() != words[:8].tolist()  # the next call draws a new seed
+
+
+def test_masks_are_independent_draws_within_a_call_and_across_calls():
+    """The masks are i.i.d. Bernoulli, as torch's are, in what could couple them: the four lanes of one
+    word, neighbouring words, and the masks of consecutive calls (consecutive seeds)."""
+    torch.manual_seed(3)
+    keep = keep_mask((1_000_000,), 0.5)[0]
+    patterns = torch.bincount((keep.view(-1, 4).long() * torch.tensor([1, 2, 4, 8])).sum(dim=1), minlength=16)
+    expected = 250_000 / 16
+    chi2 = ((patterns - expected) ** 2 / expected).sum().item()
+    assert chi2 < 37.7  # 15 degrees of freedom: p = 0.001
+    for p in (0.1, 0.3):
+        first, second = keep_mask((1_000_000,), p)[0].float(), keep_mask((1_000_000,), p)[0].float()
+        for a, b in ((first[:-1], first[1:]), (first[:-4], first[4:]), (first, second)):  # lanes, words, calls
+            correlation = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+            assert abs(correlation) < 0.005  # 1,000,000 pairs: the standard error is 0.001
