@@ -56,3 +56,24 @@ def test_count_params_bad_flags_give_one_line_errors():
     assert result.exit_code == 1
     assert "model.num_heads: d_model 500 is not divisible by num_heads 8" in result.output
     assert "Traceback" not in result.output
+
+
+def test_training_flops_per_token_are_the_matrix_products_torch_counts():
+    """6 FLOPs a weight a token (forward 2, backward 4) over the matrix products of a training step,
+    as torch's FlopCounterMode counts them, attention scores aside (CPU attention is not counted)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tformer_cli.params import train_flops_per_token
+
+    cfg = ModelConfig(d_model=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=3, d_ff=48, max_len=64,
+                      dropout=0.0, share_embeddings="none")
+    model = build_model(cfg, 40, 50)
+    B, S, T = 3, 7, 5  # no padding: every token counts
+    src, tgt = torch.randint(4, 40, (B, S)), torch.randint(4, 50, (B, T + 1))
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(src, tgt[:, :-1]).flatten(0, 1), tgt[:, 1:].flatten()).backward()
+    counted = counter.get_flop_counts()["Global"]
+    assert {str(op) for op in counted} <= {"aten.mm", "aten.addmm"}  # no attention product slipped in
+    assert sum(counted.values()) == train_flops_per_token(cfg, 50, S / T) * B * T

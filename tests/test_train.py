@@ -80,6 +80,28 @@ def test_training_tokens_per_second_leave_out_validation_and_checkpoints(tmp_pat
     assert len(rates) == 2 and rates[1] > 0.3 * rates[0]  # steps 3-4 follow the validation of step 2
 
 
+def test_training_logs_model_flops_and_their_share_of_the_measured_peak(tmp_path):
+    """tflops: target tokens/s x the training FLOPs of a target token (params.train_flops_per_token at
+    the training data's source tokens per target token); mfu: that over the product peak measured here."""
+    from tformer_cli.data import read_pairs
+    from tformer_cli.params import train_flops_per_token
+    from tformer_cli.runtime import matmul_peak, read_metrics
+
+    config = load_config(write_config(tmp_path / "f.yaml", train={"max_steps": 4, "log_every": 2}))
+    train(config, tmp_path / "run")
+    vocab = load_run(tmp_path / "run").vocab
+    pairs = list(read_pairs(config.data, config.data.train_split))
+    sources = sum(map(len, vocab.encode_sources([s for s, _ in pairs])))
+    targets = sum(len(t) - 1 for t in vocab.encode_targets([t for _, t in pairs]))  # the tokens after <s>
+    per_token = train_flops_per_token(config.model, vocab.tgt_size, sources / targets)
+    logged = [r for r in read_metrics(tmp_path / "run") if r["split"] == "train"]
+    assert [r["step"] for r in logged] == [2, 4]
+    for record in logged:
+        assert math.isclose(record["tflops"] * 1e12, record["tokens_per_s"] * per_token, rel_tol=1e-9)
+        assert math.isclose(record["mfu"], record["tflops"] * 1e12 / matmul_peak(torch.device("cpu"), "fp32"))
+        assert 0 < record["mfu"] < 1
+
+
 def _weights(run_dir):
     from safetensors.torch import load_file
 

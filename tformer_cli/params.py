@@ -104,18 +104,19 @@ def paper_layer_params(c: ModelConfig) -> int:
 
 
 def matmul_params(c: ModelConfig, tgt_vocab: int) -> tuple[int, int]:
-    """Weights that take part in matrix multiplies per (encoder, decoder) token; lookups excluded."""
-    d = c.d_model
-    encoder = c.num_encoder_layers * (4 * d * d + 2 * d * c.d_ff)
-    decoder = c.num_decoder_layers * (8 * d * d + 2 * d * c.d_ff) + d * tgt_vocab
-    return encoder, decoder
+    """Weights that multiply each (source, target) token in matrix products; lookups excluded. The
+    decoder's cross-attention projects the encoder's output, so its keys and values count per source token."""
+    d, ffn = c.d_model, 2 * c.d_model * c.d_ff
+    source = c.num_encoder_layers * (4 * d * d + ffn) + c.num_decoder_layers * 2 * d * d
+    target = c.num_decoder_layers * (6 * d * d + ffn) + d * tgt_vocab
+    return source, target
 
 
 def train_flops_per_token(c: ModelConfig, tgt_vocab: int, src_per_tgt: float = 1.0) -> float:
     """Training FLOPs per target token: 6 x matmul weights (forward 2, backward 4), with
     ``src_per_tgt`` source tokens per target token; attention scores are not counted."""
-    encoder, decoder = matmul_params(c, tgt_vocab)
-    return 6.0 * (encoder * src_per_tgt + decoder)
+    source, target = matmul_params(c, tgt_vocab)
+    return 6.0 * (source * src_per_tgt + target)
 
 
 def summary(c: ModelConfig, src_vocab: int, tgt_vocab: int | None = None) -> dict:

@@ -14,7 +14,7 @@ from tformer_cli.run_folder import TENSORBOARD
 # (split, key in the record) -> the scalar's tag
 SCALARS = {
     ("train", "loss"): "train/loss", ("train", "ppl"): "train/perplexity", ("train", "lr"): "train/learning_rate",
-    ("train", "tokens_per_s"): "train/tokens_per_s",
+    ("train", "tokens_per_s"): "train/tokens_per_s", ("train", "tflops"): "train/tflops", ("train", "mfu"): "train/mfu",
     ("validation", "loss"): "validation/loss", ("validation", "ppl"): "validation/perplexity",
     ("validation", "bleu"): "validation/bleu", ("validation", "chrf"): "validation/chrf",
 }

@@ -32,10 +32,11 @@ from tformer_cli.model import build_model
 from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
 from tformer_cli.parallel import (
     Workers, distribute, gathered, gradient_sync, load_optimizer_state, local, optimizer_state, shard_like)
+from tformer_cli.params import train_flops_per_token
 from tformer_cli.run_folder import CHECKPOINTS, METRICS, WEIGHTS
 from tformer_cli.runtime import (
-    autocast, load_trainer_state, load_weights, resolve_device, rng_state, save_checkpoint, save_run_files,
-    save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints)
+    autocast, load_trainer_state, load_weights, matmul_peak, resolve_device, rng_state, save_checkpoint,
+    save_run_files, save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints)
 from tformer_cli.tensorboard import TensorBoard
 from tformer_cli.tensorboard import check_available as check_tensorboard
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
@@ -208,6 +209,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     steps_per_epoch = math.ceil(len(_batches(data, cfg.max_tokens, workers=workers)) / cfg.grad_accum)
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, total_steps))
+    flops = _model_flops(setup, data, None if slow else matmul_peak(device, cfg.precision))
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
@@ -258,7 +260,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 window["loss"] += nll_sum
                 window["tokens"] += group_tokens
                 if state.step % cfg.log_every == 0:  # callback
-                    _log(notify, setup.log, state, window, lr, total_steps, workers, model)
+                    _log(notify, setup.log, state, window, lr, total_steps, workers, model, flops)
                 stop_reason = _stop_reason(cfg, state)
                 paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
                 if setup.validates and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
@@ -391,14 +393,27 @@ def _stop_reason(cfg: TrainConfig, state: TrainState) -> str | None:
     return None
 
 
+def _model_flops(setup: _Setup, data: EncodedSplit, peak: float | None) -> dict[str, float | None]:
+    """What a target token of training costs in the model's matrix products (``train_flops_per_token``
+    at this split's source tokens per target token), and the FLOP/s that all processes together
+    could reach (``matmul_peak`` on each device; None where the precision is emulated)."""
+    targets = data.tgt.offsets[-1].item() - len(data)  # the targets' tokens after <s>
+    per_token = train_flops_per_token(setup.config.model, setup.vocab.tgt_size,
+                                      data.src.offsets[-1].item() / max(targets, 1))
+    return {"per_token": per_token, "peak": peak * setup.workers.size if peak else None}
+
+
 def _log(notify: Callback, log: "MetricsLog", state: TrainState, window: dict, lr: float, total: int | None,
-         workers: Workers, model: torch.nn.Module) -> None:
+         workers: Workers, model: torch.nn.Module, flops: dict[str, float | None]) -> None:
     now = time.perf_counter()
     nll_sum, = workers.sum(float(window["loss"]))  # the one host sync per log interval; window tokens: all's
     loss = nll_sum / max(window["tokens"], 1)
+    rate = window["tokens"] / max(now - window["start"], 1e-9)
     record = {"step": state.step, "epoch": state.epoch, "loss": loss, "ppl": math.exp(min(loss, 50)), "lr": lr,
-              "tokens_per_s": window["tokens"] / max(now - window["start"], 1e-9), "elapsed": state.elapsed,
+              "tokens_per_s": rate, "tflops": rate * flops["per_token"] / 1e12, "elapsed": state.elapsed,
               "total_steps": total}
+    if flops["peak"]:
+        record["mfu"] = rate * flops["per_token"] / flops["peak"]
     if workers.main:
         log.write("train", record)
     notify("step", record)
