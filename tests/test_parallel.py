@@ -89,6 +89,38 @@ def test_ddp_two_processes_train_as_one_process_accumulating_two_batches(tmp_pat
     assert resumed["stop_reason"] == f"reached train.max_time {limit:g} s" and resumed["step"] > 4
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="NCCL needs a GPU"))])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_a_group_of_one_trains_through_the_engines_as_one_process_does(tmp_path, config, monkeypatch, device,
+                                                                        engine):
+    """The whole loop under DDP or FSDP2 in a process group of one: gloo on the CPU, NCCL on a GPU (which
+    refuses two ranks on one device), where the machine has a single one. The same weights and losses
+    as without a group; checkpoints gathered to whole tensors."""
+    import tformer_cli.parallel as parallel
+    import tformer_cli.train as training
+    from tformer_cli.config import load_config
+    from tformer_cli.parallel import Workers, leave
+    from tformer_cli.train import train
+
+    overrides = [f"train.device={device}", f"train.parallel={engine}"]
+    train(load_config(config, overrides), tmp_path / "alone")
+    trainers = []
+    monkeypatch.setattr(training, "distribute", lambda *args: trainers.append(parallel.distribute(*args)) or trainers[-1])
+    monkeypatch.setattr(parallel, "left_group", False)  # as it was, after ``leave``
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                         world_size=1, device_id=torch.device("cuda", 0) if device == "cuda" else None)
+    try:
+        train(load_config(config, overrides), tmp_path / "grouped", workers=Workers(grouped=True))
+    finally:
+        leave()
+    assert type(trainers[0]).__name__ == {"ddp": "DistributedDataParallel", "fsdp": "FSDPSeq2SeqLoss"}[engine]
+    for checkpoint in step_checkpoints(tmp_path / "alone"):
+        _assert_same_weights(tmp_path / "alone", tmp_path / "grouped", f"checkpoints/{checkpoint.name}")
+    _assert_same_losses(tmp_path / "alone", tmp_path / "grouped")
+
+
 @pytest.mark.slow
 def test_ddp_accumulates_without_syncing_until_the_last_batch(tmp_path, config):
     one, two = tmp_path / "one", tmp_path / "two"

@@ -52,19 +52,20 @@ class Workers:
     rank: int = 0
     size: int = 1
     local_rank: int = 0  # among the processes of this node
+    grouped: bool = False  # in a process group (``join``): the model trains under DDP or FSDP, even alone
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
     def barrier(self) -> None:
-        if self.size > 1:
+        if self.grouped:
             with self.together():
                 dist.barrier()
 
     def sum(self, *values: float) -> list[float]:
         """Each value summed over the processes (on the CPU: no wait on a GPU)."""
-        if self.size == 1:
+        if not self.grouped:
             return list(values)
         totals = torch.tensor(values, dtype=torch.float64)
         with self.together():
@@ -73,7 +74,7 @@ class Workers:
 
     def from_main(self, value: Any) -> Any:
         """Rank 0's ``value`` (any picklable object), on every process."""
-        if self.size == 1:
+        if not self.grouped:
             return value
         box = [value]
         with self.together():
@@ -84,7 +85,7 @@ class Workers:
     def together(self):
         """A collective that fails because another process stopped is one line here, not a traceback
         on every other process (the process that stopped prints the cause)."""
-        if self.size == 1:
+        if not self.grouped:
             yield
             return
         try:
@@ -101,7 +102,7 @@ def distribute(objective: nn.Module, layers: list[nn.Module], workers: Workers, 
     """``objective`` (the module whose forward computes the loss) ready to train on ``workers``: as it
     is for one process, wrapped in DDP, or sharded by FSDP2 ``layers`` first and then the rest (the
     embeddings, output projection and final norms, gathered once per step)."""
-    if workers.size == 1:
+    if not workers.grouped:
         return objective
     if engine == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -179,7 +180,7 @@ def join(device: torch.device) -> Workers:
             dist.init_process_group(backend, device_id=None if shared else gpu, timeout=COLLECTIVE_TIMEOUT)
         else:
             dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    return Workers(dist.get_rank(), size, int(os.environ.get("LOCAL_RANK", "0")))
+    return Workers(dist.get_rank(), size, int(os.environ.get("LOCAL_RANK", "0")), grouped=True)
 
 
 def leave() -> None:

@@ -94,7 +94,7 @@ class _Setup:
         self.trainer = distribute(Seq2SeqLoss(self.model, cfg.label_smoothing, cfg.rdrop, loss), layers, workers,
                                   cfg.parallel, device)
         # under FSDP no process holds the whole model: rank 0 gathers it into a copy to validate and save
-        self.sharded = workers.size > 1 and cfg.parallel == "fsdp"
+        self.sharded = workers.grouped and cfg.parallel == "fsdp"
         self.replica = self._build_model() if self.sharded and workers.main else None
         self.optimizer = make_optimizer(self.model, cfg, device)  # over the parameters as distributed
         # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
