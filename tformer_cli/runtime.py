@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_model, save_model
 
-from tformer_cli.accel import ops
+from tformer_cli.accel import gemm, ops
 from tformer_cli.config import Config, load_config, to_yaml
 from tformer_cli.ensemble import Ensemble
 from tformer_cli.errors import CheckpointError, UsageError, first_line
@@ -76,10 +76,11 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 @functools.cache
 def matmul_peak(device: torch.device, precision: str) -> float:
-    """FLOP/s of torch's product of two square matrices in ``precision`` on ``device``: the best of 5
-    after 2 warm-ups, measured once per process (n = 8,192 on a GPU, about 10 ms; 1,024 on a CPU,
-    about 0.1 s on 2 cores). It is what model FLOPs utilization (MFU) is measured against: the
-    device's attainable peak, not its data sheet's."""
+    """FLOP/s of a product of two square matrices in ``precision`` on ``device``, by the kernel the
+    model's linear layers use (on AMD CPUs the speed layer's oneDNN, not MKL): the best of 5 after 2
+    warm-ups, measured once per process (n = 8,192 on a GPU, about 10 ms; 1,024 on a CPU, about 0.1 s
+    on 2 cores). It is what model FLOPs utilization (MFU) is measured against: the device's
+    attainable peak, not its data sheet's."""
     n = 8192 if device.type == "cuda" else 1024
     generator = torch.Generator(device).manual_seed(0)  # random values (zeros run faster), the run's RNG untouched
     a, b = (torch.randn(n, n, device=device, dtype=PRECISION_DTYPES[precision], generator=generator) for _ in range(2))
@@ -88,7 +89,7 @@ def matmul_peak(device: torch.device, precision: str) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        a @ b
+        gemm.linear(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= 2:
