@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     global PRECISION
-    PRECISION = args.precision or ("bf16" if on_cuda else "fp32")
+    PRECISION = systems.PRECISION = args.precision or ("bf16" if on_cuda else "fp32")
     global PAPER
     PAPER = (args.paper_tokens, args.paper_steps, args.paper_sentences) if paper else None
     systems.ACCEL = args.accel

@@ -41,6 +41,7 @@ SIZES = {
     "big": Size("big", 1024, 6, 16, 4096, 37000),  # the paper's Transformer (big)
 }
 COMPILE_PEERS = False  # torch.compile nn.Transformer (benchmarks/run.py --scale paper: peers at their best)
+PRECISION = "fp32"  # the suite's precision (benchmarks/run.py --precision): CTranslate2 computes in it too
 
 
 @dataclass
@@ -320,11 +321,15 @@ class XTransformers(System):
 
 class CTranslate2(System):
     """(d) CTranslate2, decoding only: tformer's random weights converted as `tformer export --to
-    ctranslate2` converts them, run in float32 (or int8 weights, below) on the same threads."""
+    ctranslate2` converts them, computing in the suite's precision (or with int8 weights, below) on the
+    same threads."""
 
     supports_beam = True
     supports_train = False
-    compute_type = "float32"
+    # its compute type per weights kind and the suite's precision (bf16: what tformer's autocast runs)
+    COMPUTE_TYPES = {("float", "fp32"): "float32", ("float", "bf16"): "bfloat16",
+                     ("int8", "fp32"): "int8", ("int8", "bf16"): "int8_bfloat16"}
+    weights = "float"
 
     def __init__(self, size: Size, device: torch.device, fused: bool = False) -> None:
         import tempfile
@@ -335,6 +340,9 @@ class CTranslate2(System):
         from tformer_cli.export import ctranslate2_spec
         from tformer_cli.model import build_model
 
+        self.compute_type = self.COMPUTE_TYPES[self.weights, PRECISION]
+        if self.compute_type not in ctranslate2.get_supported_compute_types(device.type):  # bf16 on most CPUs
+            self.compute_type = self.COMPUTE_TYPES[self.weights, "fp32"]
         self.name = f"CTranslate2 {self.compute_type}" + (" +fused AdamW" if fused else "")
         cfg = ModelConfig(d_model=size.d_model, num_heads=size.heads, num_encoder_layers=size.layers,
                           num_decoder_layers=size.layers, d_ff=size.d_ff, max_len=256)
@@ -364,7 +372,7 @@ class CTranslate2(System):
 class CTranslate2Int8(CTranslate2):
     """(e) CTranslate2 with int8 weights (its int8 CPU kernels)."""
 
-    compute_type = "int8"
+    weights = "int8"
 
 
 PEERS = {"torch": TorchBuiltin, "marian": Marian, "xtransformers": XTransformers, "ct2": CTranslate2,
