@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU figure the docs report, on one CUDA machine, all at once or a step at a time:
 #
-#   bash benchmarks/gpu.sh [STEP...]        steps: tests suite paper train (default: all, ~25 min on an H100)
+#   bash benchmarks/gpu.sh [STEP...]        steps: tests syncs suite paper train (default: all, ~25 min on an H100)
 #
 # tests   the CUDA tests: kernels against the explicit path, CUDA against the CPU, autocast training,
 #         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one
 # suite   the suite (`benchmarks/run.py --device cuda`: every peer, CTranslate2 among the decoders)
 # paper   `--scale paper`: base and big at ~25,000 target tokens a step, decoding 3,000 sentences
+# syncs   where a training step waits for the GPU: 20 demo steps on CUDA under torch's sync debug
+#         mode, each synchronizing call counted by the line of tformer that made it
 # train   `tformer train configs/base.yaml` in bf16 for $MINUTES minutes (default 10) on Multi30k;
 #         prints the run's own median tokens/s, TFLOP/s and MFU
 #
@@ -34,6 +36,30 @@ paper() {
     "$PYTHON" benchmarks/run.py --device cuda --scale paper --json "$RESULTS/paper.json"
 }
 
+syncs() {
+    "$PYTHON" - "$RESULTS/syncs-run" <<'EOF'
+import collections, shutil, sys, traceback, warnings
+from pathlib import Path
+import torch
+from tformer_cli.config import load_config
+from tformer_cli.train import train
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+config = load_config("configs/demo.yaml", ["train.device=cuda", "train.max_steps=20", "train.log_every=10",
+                                          "train.eval_every=1000", "train.save_every=1000"])
+where = collections.Counter()
+def count(message, category, filename, lineno, file=None, line=None):
+    if "synchroniz" in str(message):
+        frames = [f for f in traceback.extract_stack() if "tformer_cli" in f.filename]
+        where[f"{frames[-1].filename.split('tformer_cli/')[-1]}:{frames[-1].lineno}" if frames else filename] += 1
+warnings.simplefilter("always")  # every sync, not the first from each place
+warnings.showwarning = count
+torch.cuda.set_sync_debug_mode("warn")
+train(config, Path(sys.argv[1]))
+for place, times in where.most_common():
+    print(f"{times:5d}  {place}")
+EOF
+}
+
 train() {
     rm -rf "$RESULTS/base-run"
     "$PYTHON" -m tformer_cli train configs/base.yaml --device cuda --output-dir "$RESULTS/base-run" --quiet --json \
@@ -46,11 +72,11 @@ for key in ("tokens_per_s", "tflops", "mfu"):
 EOF
 }
 
-for step in "${@:-tests suite paper train}"; do
+for step in "${@:-tests syncs suite paper train}"; do
     for one in $step; do
         case $one in
-            tests|suite|paper|train) echo "== $one $(date -u +%H:%M:%S)"; $one 2>&1 | tee "$RESULTS/$one.log" ;;
-            *) echo "unknown step $one: choose from tests suite paper train" >&2; exit 2 ;;
+            tests|syncs|suite|paper|train) echo "== $one $(date -u +%H:%M:%S)"; $one 2>&1 | tee "$RESULTS/$one.log" ;;
+            *) echo "unknown step $one: choose from tests syncs suite paper train" >&2; exit 2 ;;
         esac
     done
 done
