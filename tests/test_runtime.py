@@ -90,3 +90,15 @@ def test_resuming_reads_trainer_state_without_running_code_from_it(tmp_path):
     torch.save({"optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}}, "state": {"step": 1},
                 "rng": {"python": (3, (1, 2), None), "torch": torch.get_rng_state()}}, checkpoint / "trainer.pt")
     assert load_trainer_state(checkpoint)["state"] == {"step": 1}
+
+
+def test_matmul_peak_leaves_the_runs_random_numbers_alone():
+    """Measured at a run's start: drawing its matrices from the global generator would change the run."""
+    from tformer_cli.runtime import matmul_peak
+
+    matmul_peak.cache_clear()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert matmul_peak(torch.device("cpu"), "fp32") > 1e8  # FLOP/s: any CPU does more than 0.1 GFLOP/s
+    assert torch.equal(torch.rand(3), expected)
