@@ -6,7 +6,8 @@
 # tests   the CUDA tests: kernels against the explicit path, CUDA against the CPU, autocast training,
 #         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one
 # suite   the suite (`benchmarks/run.py --device cuda`: every peer, CTranslate2 among the decoders)
-# paper   `--scale paper`: base and big at ~25,000 target tokens a step, decoding 3,000 sentences
+# paper   `--scale paper`: base and big at ~25,000 target tokens a step, decoding 3,000 sentences;
+#         tformer with train.compile beside it (the GPU default if it wins)
 # syncs   where a training step waits for the GPU: 20 demo steps on CUDA under torch's sync debug
 #         mode, each synchronizing call counted by the line of tformer that made it
 # train   `tformer train configs/base.yaml` in bf16 for $MINUTES minutes (default 10) on Multi30k;
@@ -33,7 +34,8 @@ suite() {
 }
 
 paper() {
-    "$PYTHON" benchmarks/run.py --device cuda --scale paper --json "$RESULTS/paper.json"
+    "$PYTHON" benchmarks/run.py --device cuda --scale paper --json "$RESULTS/paper.json" \
+        --peers torch,marian,xtransformers,ct2,ct2-int8,tformer-compile
 }
 
 syncs() {

@@ -15,7 +15,8 @@ For each workload and size, the systems run alternately in one fresh process, se
 repetitions after warm-up; the table gives medians, min-max and tformer's ratio to the best peer.
 Peers: torch's nn.Transformer (a), Hugging Face MarianMTModel (b), x-transformers (c), and for
 decoding CTranslate2 in float32 (d) and with int8 weights (e); install them with `pip install -e '.[bench]'`.
-`--peers ct2-int8,tformer-int8` adds tformer's own int8 decoding (CPU) beside them.
+`--peers ct2-int8,tformer-int8` adds tformer's own int8 decoding (CPU) beside them, and
+`tformer-compile` its training with `train.compile: true`; tformer's variants are not counted as peers.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def _autocast(device: torch.device):
 def _systems(size, device, peers: list[str]) -> list:
     systems = [Tformer(SIZES[size], device)]
     for key in peers:
+        if key.startswith("tformer"):  # tformer's own variants, with its own optimizer
+            systems.append(PEERS[key](SIZES[size], device))
+            continue
         for fused in (False, True) if PEERS[key].supports_train else (False,):  # fused AdamW: training only
             systems.append(PEERS[key](SIZES[size], device, fused=fused))
     return systems
@@ -151,7 +155,8 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
         else:  # a test set of real lengths
             batches = paper_sources(SIZES[size], PAPER[2], PAPER_DECODE_TOKENS[workload], device)
             work, unit = sum(src.shape[0] for src, _ in batches), "sentences/s"
-        contenders = [s for s in contenders if "fused" not in s.name]  # the optimizer plays no part in decoding
+        # the optimizer plays no part in decoding
+        contenders = [s for s in contenders if "fused" not in s.name and s.decodes]
         if workload == "beam":
             contenders = [s for s in contenders if s.supports_beam]
 
@@ -346,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--paper-sentences", type=_at_least(1), default=3000,
                         help="sentences to translate, greedy and beam (--scale paper)")
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
-                        help="peers to compare with; also tformer-int8 (--precision int8 decoding, CPU only)")
+                        help="peers to compare with; also tformer's variants tformer-int8 (--precision int8 "
+                             "decoding, CPU only) and tformer-compile (train.compile: true)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=_at_least(1), help="timed repetitions (default: 5 on CPU, 11 on CUDA)")
     parser.add_argument("--warmup", type=_at_least(0), default=2)

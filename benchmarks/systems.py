@@ -122,6 +122,7 @@ class System:
     name = "system"
     supports_beam = False
     supports_train = True
+    decodes = True
     model: nn.Module
     optimizer: torch.optim.Optimizer
     vocab: int
@@ -155,6 +156,7 @@ class Tformer(System):
     def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
         from tformer_cli.accel import accelerate
         from tformer_cli.config import ModelConfig
+        from tformer_cli.evaluation import label_smoothed_loss
         from tformer_cli.model import build_model
 
         self.name = "tformer int8" if self.int8 else "tformer"
@@ -162,14 +164,14 @@ class Tformer(System):
                           num_decoder_layers=size.layers, d_ff=size.d_ff, dropout=0.1, max_len=256)
         self.model = accelerate(build_model(cfg, size.vocab).to(device), device, ACCEL, ACCEL_SKIP, self.int8)
         self.optimizer = _adam(self.model.parameters(), fused)
+        self.loss = label_smoothed_loss
 
     def train_step(self, batch: TrainBatch) -> None:
         from tformer_cli.data import Batch
-        from tformer_cli.evaluation import label_smoothed_loss
 
         self.model.train()
         ours = Batch(batch.src, batch.tgt_in, batch.tgt_out, [], batch.target_tokens)
-        loss, _ = label_smoothed_loss(self.model, ours, SMOOTHING)
+        loss, _ = self.loss(self.model, ours, SMOOTHING)
         (loss / batch.target_tokens).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -186,6 +188,20 @@ class Tformer(System):
 
     def beam(self, src, new_tokens, beams):
         return self._decode(src, new_tokens, beams)
+
+
+class TformerCompiled(Tformer):
+    """tformer training with ``train.compile: true``: the loss (encoder, decoder and the fused loss)
+    under ``torch.compile``, as `tformer train` compiles it. Its decoding is tformer's, not repeated."""
+
+    decodes = False
+
+    def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
+        from tformer_cli.evaluation import label_smoothed_loss
+
+        super().__init__(size, device, fused)
+        self.name = "tformer +compile"
+        self.loss = torch.compile(label_smoothed_loss, dynamic=True)
 
 
 class TformerInt8(Tformer):
@@ -376,10 +392,11 @@ class CTranslate2Int8(CTranslate2):
 
 
 PEERS = {"torch": TorchBuiltin, "marian": Marian, "xtransformers": XTransformers, "ct2": CTranslate2,
-         "ct2-int8": CTranslate2Int8, "tformer-int8": TformerInt8}
-DEFAULT_PEERS = [key for key in PEERS if not key.startswith("tformer")]  # tformer-int8 on request, CPU only
+         "ct2-int8": CTranslate2Int8, "tformer-int8": TformerInt8, "tformer-compile": TformerCompiled}
+DEFAULT_PEERS = [key for key in PEERS if not key.startswith("tformer")]  # tformer's variants on request
 LIBRARIES = {"tformer": "tformer_cli", "torch": "torch", "marian": "transformers", "xtransformers": "x_transformers",
-             "ct2": "ctranslate2", "ct2-int8": "ctranslate2", "tformer-int8": "tformer_cli"}
+             "ct2": "ctranslate2", "ct2-int8": "ctranslate2", "tformer-int8": "tformer_cli",
+             "tformer-compile": "tformer_cli"}
 
 
 def available_peers() -> dict[str, type]:
