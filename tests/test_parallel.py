@@ -116,8 +116,9 @@ def test_a_group_of_one_trains_through_the_engines_as_one_process_does(tmp_path,
     finally:
         leave()
     assert type(trainers[0]).__name__ == {"ddp": "DistributedDataParallel", "fsdp": "FSDPSeq2SeqLoss"}[engine]
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if device == "cuda" else {}  # CUDA's atomic adds reorder sums
     for checkpoint in step_checkpoints(tmp_path / "alone"):
-        _assert_same_weights(tmp_path / "alone", tmp_path / "grouped", f"checkpoints/{checkpoint.name}")
+        _assert_same_weights(tmp_path / "alone", tmp_path / "grouped", f"checkpoints/{checkpoint.name}", **tolerance)
     _assert_same_losses(tmp_path / "alone", tmp_path / "grouped")
 
 
