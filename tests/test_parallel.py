@@ -105,8 +105,13 @@ def test_a_group_of_one_trains_through_the_engines_as_one_process_does(tmp_path,
 
     overrides = [f"train.device={device}", f"train.parallel={engine}"]
     train(load_config(config, overrides), tmp_path / "alone")
-    trainers = []
-    monkeypatch.setattr(training, "distribute", lambda *args: trainers.append(parallel.distribute(*args)) or trainers[-1])
+    trainers = []  # what the loop trains through
+
+    def distribute(*args):
+        trainers.append(parallel.distribute(*args))
+        return trainers[-1]
+
+    monkeypatch.setattr(training, "distribute", distribute)
     monkeypatch.setattr(parallel, "left_group", False)  # as it was, after ``leave``
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
