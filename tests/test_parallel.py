@@ -127,6 +127,28 @@ def test_a_group_of_one_trains_through_the_engines_as_one_process_does(tmp_path,
     _assert_same_losses(tmp_path / "alone", tmp_path / "grouped")
 
 
+def test_a_peer_lost_while_clipping_is_one_line(tmp_path, config, monkeypatch):
+    """Under FSDP the gradient norm is a collective of its own: a peer that dies then is reported as in
+    any other collective (a rare CI failure printed a 263-line traceback from here)."""
+    import tformer_cli.parallel as parallel
+    from tformer_cli.config import load_config
+    from tformer_cli.errors import TformerError
+    from tformer_cli.parallel import Workers, leave
+    from tformer_cli.train import train
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lost)
+    monkeypatch.setattr(parallel, "left_group", False)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(TformerError, match="another training process stopped"):
+            train(load_config(config, ["train.parallel=fsdp"]), tmp_path / "run", workers=Workers(grouped=True))
+    finally:
+        leave()
+
+
 @pytest.mark.slow
 def test_ddp_accumulates_without_syncing_until_the_last_batch(tmp_path, config):
     one, two = tmp_path / "one", tmp_path / "two"

@@ -242,8 +242,9 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                         scaler.scale(loss * (workers.size / group_tokens)).backward()  # backward
                     nll_sum += nll
                 scaler.unscale_(optimizer)
-                if cfg.clip_grad_norm:  # clip
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                if cfg.clip_grad_norm:  # clip; under FSDP the norm of the sharded gradients is a collective
+                    with workers.together():
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
                 horizon = cosine_horizon(cfg, total_steps, state.step, state.elapsed) if cfg.schedule == "cosine" else None
                 lr = learning_rate(state.step + 1, cfg, config.model.d_model, horizon)  # schedule
                 for param_group in optimizer.param_groups:
