@@ -41,6 +41,7 @@ from systems import (DEFAULT_PEERS, LIBRARIES, PAD, PEERS, SIZES, Tformer, avail
 import systems  # noqa: E402
 from tformer_cli.accel.linear import PACKING, PACKING_BF16  # noqa: E402
 from tformer_cli.accel.ops import LINEAR_POINTWISE, REORDER_LINEAR_WEIGHT  # noqa: E402
+from tformer_cli.runtime import PRECISION_DTYPES, best_seconds  # noqa: E402
 
 WORKLOADS = ("train", "greedy", "beam", "memory", "data")
 HIGHER_IS_BETTER = {"train": True, "greedy": True, "beam": True, "memory": False, "data": True}
@@ -51,24 +52,13 @@ def matmul_peak(device: torch.device, precision: str) -> float:
     """Measured FLOP/s of a large matrix product in the benchmark's precision: on a CPU the faster of
     torch's product (MKL) and oneDNN's with a packed weight, which on an AMD EPYC ran 18 % faster."""
     n = 2048 if device.type == "cpu" else 8192
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    dtype = PRECISION_DTYPES[precision]
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     products = [lambda: a @ b]
     if device.type == "cpu" and (PACKING_BF16 if dtype == torch.bfloat16 else PACKING):
         packed = REORDER_LINEAR_WEIGHT(b, n)
         products.append(lambda: LINEAR_POINTWISE(a, packed, None, "none", [], ""))
-    return max(2 * n**3 / _fastest(product, device) for product in products)
-
-
-def _fastest(operation, device: torch.device, warmup: int = 2, repeats: int = 5) -> float:
-    for _ in range(warmup):
-        operation()
-    times = []
-    for _ in range(repeats):
-        start = _now(device)
-        operation()
-        times.append(_now(device) - start)
-    return min(times)
+    return max(2 * n**3 / best_seconds(product, device) for product in products)
 
 
 def _now(device: torch.device) -> float:

@@ -22,6 +22,7 @@ import functools
 import random
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,13 +56,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def autocast(device: torch.device, precision: str):
     """Autocast for "bf16" / "fp16" (matrix products in that type, reductions in fp32); none for "fp32"."""
     if precision == "fp32":
         return nullcontext()
     if precision not in ("bf16", "fp16"):
         raise UsageError(f"precision {precision!r}: use fp32, bf16 or fp16")
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return torch.autocast(device.type, dtype=PRECISION_DTYPES[precision])
 
 
 def slow_precision(device: torch.device, precision: str) -> str | None:
@@ -69,9 +73,6 @@ def slow_precision(device: torch.device, precision: str) -> str | None:
     if device.type != "cpu" or precision == "fp32" or ops.native_on_cpu(precision):
         return None
     return f"{precision}: this CPU has no native {precision} matrix products, so it runs slower than fp32"
-
-
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @functools.cache
@@ -84,17 +85,24 @@ def matmul_peak(device: torch.device, precision: str) -> float:
     n = 8192 if device.type == "cuda" else 1024
     generator = torch.Generator(device).manual_seed(0)  # random values (zeros run faster), the run's RNG untouched
     a, b = (torch.randn(n, n, device=device, dtype=PRECISION_DTYPES[precision], generator=generator) for _ in range(2))
+    return 2 * n**3 / best_seconds(lambda: gemm.linear(a, b), device)
+
+
+def best_seconds(operation: Callable[[], Any], device: torch.device, warmup: int = 2, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` timed calls of ``operation`` after ``warmup`` untimed ones, each timed
+    to the end of its work on ``device`` (a GPU is synchronised around it)."""
+    for _ in range(warmup):
+        operation()
     times = []
-    for i in range(7):
+    for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        gemm.linear(a, b)
+        operation()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return 2 * n**3 / min(times)
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def rng_state() -> dict[str, Any]:
