@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,7 +226,7 @@ def _run_file_cases() -> list[Case]:
         "checkpoints/LAST/trainer.pt": [("empty", "", "unreadable trainer state"),
                                                  ("binary", BINARY, "unreadable trainer state"),
                                                  ("truncated", "TRUNCATE", "unreadable trainer state"),
-                                                 ("pickle", "PICKLE", "unreadable trainer state"),
+                                                 ("pickle", "PICKLE", "unreadable trainer state (not a file tformer wrote"),
                                                  ("wrong-structure", "TENSOR", "unreadable trainer state"),
                                                  ("wrong-contents", "STATE", "trainer state does not fit this run")],
         "checkpoints/LAST/model.safetensors": [("empty", "", "unreadable weights"),
@@ -313,7 +314,11 @@ def test_bad_input_is_one_line_a_nonzero_exit_and_nothing_changed(case, tmp_path
         (tmp_path / name).write_bytes(content.encode() if isinstance(content, str) else content)
     argv = [_fill(arg, fill) for arg in case.argv]
     before = _snapshot(tmp_path)
-    result = CliRunner().invoke(app, argv, input=case.stdin)
+    with warnings.catch_warnings(record=True) as caught:  # a warning would print lines of its own
+        warnings.simplefilter("always")
+        result = CliRunner().invoke(app, argv, input=case.stdin)
+    shown = [w for w in caught if not issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning))]
+    assert not shown, [str(w.message) for w in shown]
     lines = result.stderr.strip().splitlines()
     assert result.exit_code not in (0, None) and isinstance(result.exception, SystemExit), result.output
     assert "Traceback" not in result.output and len(lines) == 1, result.stderr

@@ -19,9 +19,11 @@ interrupted write never replaces a good file with a broken one.
 from __future__ import annotations
 
 import functools
+import pickle
 import random
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -178,9 +180,13 @@ def load_trainer_state(checkpoint: Path | str) -> dict[str, Any]:
     """Optimizer, step and RNG state, read as plain tensors and containers only (``weights_only``): a
     run folder from elsewhere cannot run code when it is resumed, as the weights are safetensors."""
     try:
-        saved = torch.load(Path(checkpoint) / TRAINER, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols it then reads or refuses itself
+            warnings.simplefilter("ignore")
+            saved = torch.load(Path(checkpoint) / TRAINER, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"{checkpoint}: unreadable trainer state ({first_line(exc)}); resume from an "
+        why = "not a file tformer wrote; tformer never runs code from one" \
+            if isinstance(exc, pickle.UnpicklingError) else first_line(exc)
+        raise CheckpointError(f"{checkpoint}: unreadable trainer state ({why}); resume from an "
                               "earlier checkpoint by deleting this one") from exc
     if not isinstance(saved, dict) or not all(isinstance(saved.get(key), dict) for key in ("optimizer", "state", "rng")):
         raise CheckpointError(f"{checkpoint}: unreadable trainer state (not the one tformer writes); resume from an "
