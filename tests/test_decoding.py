@@ -61,6 +61,49 @@ def test_beam_of_one_equals_greedy(model):
     assert [b[0].tokens for b in beam] == [g.tokens for g in greedy]
 
 
+def _uncached_beam(model, src_row, options, limit):
+    """Reference: one sentence, K beams each recomputed from scratch at every step, in plain Python:
+    the 2K best expansions, those ending in EOS among the first K finish, the K best others go on;
+    stop once no live beam can beat the nbest finished (scores only fall), or at the length limit."""
+    K, alpha = options.beam_size, options.length_penalty
+    penalty = lambda length: ((5 + length) / 6) ** alpha  # noqa: E731
+    beams, finished = [([], 0.0)], []  # (tokens, score)
+    for t in range(limit):
+        expansions = []
+        for tokens, score in beams:
+            tgt = torch.tensor([[BOS_ID] + tokens])
+            log_probs = model(src_row[None], tgt)[0, -1].log_softmax(-1).tolist()
+            expansions += [(score + lp, tokens, token) for token, lp in enumerate(log_probs)]
+        expansions.sort(key=lambda e: -e[0])
+        best = expansions[:2 * K]
+        finished += [(tokens, score, score / penalty(t + 1)) for score, tokens, token in best[:K] if token == EOS_ID]
+        beams = [(tokens + [token], score) for score, tokens, token in best if token != EOS_ID][:K]
+        if t + 1 >= limit:
+            missing = options.nbest - len(finished)
+            finished += [(tokens, score, score / penalty(t + 1)) for tokens, score in beams[:max(missing, 0)]]
+            break
+        if len(finished) >= options.nbest and max(f[2] for f in finished) >= beams[0][1] / penalty(limit):
+            break
+    return sorted(finished, key=lambda f: -f[2])[:options.nbest]
+
+
+@pytest.mark.parametrize("alpha,nbest,eos", [(0.0, 1, 1.5), (0.6, 3, 1.5), (1.0, 2, 2.0), (0.6, 3, 2.0)])
+def test_batched_beam_search_equals_a_reference_beam_per_sentence(alpha, nbest, eos):
+    model = build_model(tiny_model_config(), VOCAB).eval()
+    with torch.no_grad():  # hypotheses end by EOS at many lengths, and some at the length limit
+        model.output_proj.weight[EOS_ID] *= eos
+    src = _sources()
+    options = DecodeOptions(beam_size=4, nbest=nbest, length_penalty=alpha, max_len_a=0, max_len_b=9)
+    ours = beam_search(model, src, options)
+    with torch.no_grad():
+        for row, hyps in zip(src, ours):
+            row = row[row != 0]  # unpadded: the reference sees the sentence alone
+            reference = _uncached_beam(model, row, options, 9)
+            assert [h.tokens for h in hyps] == [f[0] for f in reference]
+            assert [h.score for h in hyps] == pytest.approx([f[1] for f in reference], abs=1e-4)
+            assert [h.normalized for h in hyps] == pytest.approx([f[2] for f in reference], abs=1e-4)
+
+
 def test_beam_search_scores_at_least_as_well_as_greedy(model):
     src = _sources()
     options = dict(length_penalty=0.0, max_len_a=0, max_len_b=10)
