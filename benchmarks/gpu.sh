@@ -8,8 +8,9 @@
 # suite   the suite (`benchmarks/run.py --device cuda`: every peer, CTranslate2 among the decoders)
 # paper   `--scale paper`: base and big at ~25,000 target tokens a step, decoding 3,000 sentences;
 #         tformer with train.compile beside it (the GPU default if it wins)
-# syncs   where a training step waits for the GPU: 20 demo steps on CUDA under torch's sync debug
-#         mode, each synchronizing call counted by the line of tformer that made it
+# syncs   where training and decoding wait for the GPU: 300 demo steps, then greedy and beam 4 over 64
+#         sentences, on CUDA under torch's sync debug mode; each synchronizing call is counted by the
+#         line of tformer that made it
 # train   `tformer train configs/base.yaml` in bf16 for $MINUTES minutes (default 10) on Multi30k;
 #         prints the run's own median tokens/s, TFLOP/s and MFU
 #
@@ -46,7 +47,7 @@ import torch
 from tformer_cli.config import load_config
 from tformer_cli.train import train
 shutil.rmtree(sys.argv[1], ignore_errors=True)
-config = load_config("configs/demo.yaml", ["train.device=cuda", "train.max_steps=20", "train.log_every=10",
+config = load_config("configs/demo.yaml", ["train.device=cuda", "train.max_steps=300", "train.log_every=100",
                                           "train.eval_every=1000", "train.save_every=1000"])
 where = collections.Counter()
 def count(message, category, filename, lineno, file=None, line=None):
@@ -57,8 +58,24 @@ warnings.simplefilter("always")  # every sync, not the first from each place
 warnings.showwarning = count
 torch.cuda.set_sync_debug_mode("warn")
 train(config, Path(sys.argv[1]))
+torch.cuda.set_sync_debug_mode(0)
+print("training, 300 steps (a model that decodes sentences of several lengths):")
 for place, times in where.most_common():
-    print(f"{times:5d}  {place}")
+    print(f"{times:6d}  {times / 300:6.2f} a step  {place}")
+from tformer_cli.data import load_pairs
+from tformer_cli.decoding import DecodeOptions, translate
+from tformer_cli.runtime import load_run
+run = load_run(Path(sys.argv[1]), "cuda")
+texts = [source for source, _ in load_pairs(config.data, config.data.validation_split)[:64]]
+for beam in (1, 4):
+    where.clear()
+    torch.cuda.set_sync_debug_mode("warn")
+    out = translate(run.model, run.vocab, texts, DecodeOptions(beam_size=beam), device="cuda")
+    torch.cuda.set_sync_debug_mode(0)
+    tokens = sum(len(t.outputs[0][1].tokens) for t in out)
+    print(f"decoding {len(texts)} sentences, beam {beam} ({tokens} tokens out):")
+    for place, times in where.most_common():
+        print(f"{times:5d}  {place}")
 EOF
 }
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -152,12 +151,14 @@ def greedy_or_sample(model: torch.nn.Module | Ensemble, src: Tensor, options: De
         if aligned is not None:
             aligned[alive, t] = attended_source(attention, src[alive])
         scores[alive] += log_probs.gather(1, token[:, None]).squeeze(1)
-        done = (token == EOS_ID) | (t + 1 >= limits[alive])
-        lengths[alive[token == EOS_ID]] = t
-        if done.all():
+        ended = token == EOS_ID
+        lengths[alive] = torch.where(ended, t, lengths[alive])
+        done = ended | (t + 1 >= limits[alive])
+        finishing = int(done.sum())  # the step's one wait for the device
+        if finishing == len(alive):
             break
-        if done.any():  # drop finished sentences: they cost no more work
-            keep = (~done).nonzero().squeeze(1)
+        if finishing:  # drop finished sentences: they cost no more work
+            keep = torch.argsort(done.byte(), stable=True)[:len(alive) - finishing]  # the others, in order
             alive, token = alive[keep], token[keep]
             cache.select(keep)
         last = token[:, None]
@@ -257,9 +258,13 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     alive = list(range(B))  # original sentence of each block of K rows
 
-    def hypothesis(row: int, score: float, length: int) -> Hypothesis:
-        return Hypothesis(history[row].tolist(), score, score / _length_penalty(length, alpha),
-                          aligned[row].tolist() if aligned is not None else None)
+    def hypotheses(rows: list[int], scores: list[float], length: int) -> list[Hypothesis]:
+        """Finished hypotheses from these rows of ``history``, copied to the host together."""
+        index = torch.tensor(rows, device=device)
+        tokens = history[index].tolist()
+        alignments = aligned[index].tolist() if aligned is not None else [None] * len(rows)
+        return [Hypothesis(row, score, score / _length_penalty(length, alpha), a)
+                for row, score, a in zip(tokens, scores, alignments)]
 
     for t in range(max(limits)):
         n = len(alive)
@@ -271,10 +276,16 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
         top_scores, top_index = topk(candidates, 2 * K)  # (n, 2K): at most K of them end in EOS
         top_beam, top_token = top_index // V, top_index % V
         is_eos = (top_token == EOS_ID) & (top_scores > float("-inf"))  # -inf: a beam that a forced prefix left empty
-        for row, col in (is_eos[:, :K]).nonzero().tolist():  # EOS among the K best: a finished hypothesis
-            hyp = hypothesis(row * K + top_beam[row, col].item(), top_scores[row, col].item(), t + 1)
-            finished[alive[row]].append(hyp)
         live_scores, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=-1)  # (n, K)
+        # what the bookkeeping reads, copied to the host at once: one wait for the device a step
+        host = torch.stack([top_scores[:, :K], is_eos[:, :K], top_beam[:, :K], live_scores]).float().cpu()
+        ends_eos, ends_live = [], []  # (sentence, row of history, score)
+        for row, col in host[1].nonzero().tolist():  # EOS among the K best: a finished hypothesis
+            ends_eos.append((alive[row], row * K + int(host[2, row, col]), float(host[0, row, col])))
+        if ends_eos:
+            sentences, rows, ended = zip(*ends_eos)
+            for sentence, hyp in zip(sentences, hypotheses(list(rows), list(ended), t + 1)):
+                finished[sentence].append(hyp)
         origin = (top_beam.gather(1, pick) + torch.arange(n, device=device)[:, None] * K).view(-1)  # (n*K,)
         token = top_token.gather(1, pick).view(-1)
         history = torch.cat([history[origin], token[:, None]], dim=1)
@@ -283,7 +294,11 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
             aligned = torch.cat([aligned[origin], source[origin, None]], dim=1)
         scores, last = live_scores, token[:, None]
         cache.reorder(origin)  # beams move within their sentence: cross-attention K/V stay put
-        done = _sentences_done(finished, alive, live_scores, hypothesis, t + 1, limits, options)
+        done = _sentences_done(finished, alive, host[3], t + 1, limits, options, ends_live)
+        if ends_live:  # the best live beams of sentences at their length limit end there, without EOS
+            sentences, rows, ended = zip(*ends_live)
+            for sentence, hyp in zip(sentences, hypotheses(list(rows), list(ended), t + 1)):
+                finished[sentence].append(hyp)
         if all(done):
             break
         if any(done):
@@ -296,28 +311,27 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
     return [sorted(hyps, key=lambda h: -h.normalized)[: options.nbest] for hyps in finished]
 
 
-def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_scores: Tensor,
-                    hypothesis: Callable[[int, float, int], Hypothesis], length: int, limits: list[int],
-                    options: DecodeOptions) -> list[bool]:
+def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_scores: Tensor, length: int,
+                    limits: list[int], options: DecodeOptions, ends: list[tuple[int, int, float]]) -> list[bool]:
     """Per alive sentence: finished hypotheses can no longer be beaten, or the length limit is hit.
 
     With alpha >= 0, a live beam's best reachable normalised score is its current score (scores only
-    fall) divided by the largest penalty it can still get, at its length limit. ``hypothesis(row,
-    score, length)`` makes a finished hypothesis of a live row.
+    fall) divided by the largest penalty it can still get, at its length limit. ``live_scores`` (n, K)
+    is on the host. A sentence at its limit adds (sentence, row, score) to ``ends`` for each live beam
+    that ends there, as many as it lacks of ``nbest``.
     """
     done = []
     K = live_scores.shape[1]
-    best_live = live_scores[:, 0].tolist()
+    live = live_scores.tolist()
     for row, sentence in enumerate(alive):
         hyps = finished[sentence]
         if length >= limits[sentence]:
-            missing = options.nbest - len(hyps)  # out of length: the best live beams end here, without EOS
-            for k, score in enumerate(live_scores[row, :max(missing, 0)].tolist()):
-                if score > float("-inf"):
-                    hyps.append(hypothesis(row * K + k, score, length))
+            missing = options.nbest - len(hyps)
+            ends += [(sentence, row * K + k, score) for k, score in enumerate(live[row][:max(missing, 0)])
+                     if score > float("-inf")]
             done.append(True)
             continue
-        bound = best_live[row] / _length_penalty(limits[sentence], options.length_penalty)
+        bound = live[row][0] / _length_penalty(limits[sentence], options.length_penalty)
         enough = len(hyps) >= options.nbest
         done.append(enough and max(h.normalized for h in hyps) >= bound)
     return done
