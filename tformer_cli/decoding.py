@@ -258,13 +258,16 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     alive = list(range(B))  # original sentence of each block of K rows
 
-    def hypotheses(rows: list[int], scores: list[float], length: int) -> list[Hypothesis]:
-        """Finished hypotheses from these rows of ``history``, copied to the host together."""
-        index = torch.tensor(rows, device=device)
+    def finish(ends: list[tuple[int, int, float]], length: int) -> None:
+        """Add finished hypotheses, each (sentence, row of ``history``, score); their tokens are copied
+        to the host together."""
+        if not ends:
+            return
+        index = torch.tensor([row for _, row, _ in ends], device=device)
         tokens = history[index].tolist()
-        alignments = aligned[index].tolist() if aligned is not None else [None] * len(rows)
-        return [Hypothesis(row, score, score / _length_penalty(length, alpha), a)
-                for row, score, a in zip(tokens, scores, alignments)]
+        alignments = aligned[index].tolist() if aligned is not None else [None] * len(ends)
+        for (sentence, _, score), row, alignment in zip(ends, tokens, alignments):
+            finished[sentence].append(Hypothesis(row, score, score / _length_penalty(length, alpha), alignment))
 
     for t in range(max(limits)):
         n = len(alive)
@@ -279,13 +282,8 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
         live_scores, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=-1)  # (n, K)
         # what the bookkeeping reads, copied to the host at once: one wait for the device a step
         host = torch.stack([top_scores[:, :K], is_eos[:, :K], top_beam[:, :K], live_scores]).float().cpu()
-        ends_eos, ends_live = [], []  # (sentence, row of history, score)
-        for row, col in host[1].nonzero().tolist():  # EOS among the K best: a finished hypothesis
-            ends_eos.append((alive[row], row * K + int(host[2, row, col]), float(host[0, row, col])))
-        if ends_eos:
-            sentences, rows, ended = zip(*ends_eos)
-            for sentence, hyp in zip(sentences, hypotheses(list(rows), list(ended), t + 1)):
-                finished[sentence].append(hyp)
+        finish([(alive[row], row * K + int(host[2, row, col]), float(host[0, row, col]))  # EOS among the K best
+                for row, col in host[1].nonzero().tolist()], t + 1)
         origin = (top_beam.gather(1, pick) + torch.arange(n, device=device)[:, None] * K).view(-1)  # (n*K,)
         token = top_token.gather(1, pick).view(-1)
         history = torch.cat([history[origin], token[:, None]], dim=1)
@@ -294,11 +292,8 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
             aligned = torch.cat([aligned[origin], source[origin, None]], dim=1)
         scores, last = live_scores, token[:, None]
         cache.reorder(origin)  # beams move within their sentence: cross-attention K/V stay put
-        done = _sentences_done(finished, alive, host[3], t + 1, limits, options, ends_live)
-        if ends_live:  # the best live beams of sentences at their length limit end there, without EOS
-            sentences, rows, ended = zip(*ends_live)
-            for sentence, hyp in zip(sentences, hypotheses(list(rows), list(ended), t + 1)):
-                finished[sentence].append(hyp)
+        done, ends = _sentences_done(finished, alive, host[3], t + 1, limits, options)
+        finish(ends, t + 1)
         if all(done):
             break
         if any(done):
@@ -312,15 +307,15 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
 
 
 def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_scores: Tensor, length: int,
-                    limits: list[int], options: DecodeOptions, ends: list[tuple[int, int, float]]) -> list[bool]:
+                    limits: list[int], options: DecodeOptions) -> tuple[list[bool], list[tuple[int, int, float]]]:
     """Per alive sentence: finished hypotheses can no longer be beaten, or the length limit is hit.
 
     With alpha >= 0, a live beam's best reachable normalised score is its current score (scores only
     fall) divided by the largest penalty it can still get, at its length limit. ``live_scores`` (n, K)
-    is on the host. A sentence at its limit adds (sentence, row, score) to ``ends`` for each live beam
-    that ends there, as many as it lacks of ``nbest``.
+    is on the host. Also returns the live beams that end at their sentence's length limit, without
+    EOS, as many as it lacks of ``nbest``: (sentence, row, score) each.
     """
-    done = []
+    done, ends = [], []
     K = live_scores.shape[1]
     live = live_scores.tolist()
     for row, sentence in enumerate(alive):
@@ -334,7 +329,7 @@ def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_sco
         bound = live[row][0] / _length_penalty(limits[sentence], options.length_penalty)
         enough = len(hyps) >= options.nbest
         done.append(enough and max(h.normalized for h in hyps) >= bound)
-    return done
+    return done, ends
 
 
 def decode_batch(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeOptions,
