@@ -88,9 +88,10 @@ def paper_batches(size: Size, target_tokens: int, count: int, device: torch.devi
 
 def paper_sources(size: Size, sentences: int, batch_tokens: int, device: torch.device,
                   seed: int = 0) -> list[tuple[torch.Tensor, int]]:
-    """``sentences`` sources with real lengths (``paper_lengths``), batched by tokens in length order as
-    ``tformer eval`` batches a test set, each batch with the tokens to decode for it: its longest source's
-    length (a translation is about as long as its source; no system stops early)."""
+    """``sentences`` sources with real lengths (``paper_lengths``) in length order, as ``tformer eval``
+    orders a test set, batched by tokens (``tformer eval`` cuts by sentences, 256 hypotheses a batch:
+    at real lengths about as many as 8,192 tokens hold), each batch with the tokens to decode for it:
+    its longest source's length (a translation is about as long as its source; no system stops early)."""
     from tformer_cli.data import token_batches
 
     generator = torch.Generator().manual_seed(seed)
