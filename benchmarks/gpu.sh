@@ -2,6 +2,7 @@
 # Every GPU figure the docs report, on one CUDA machine, all at once or a step at a time:
 #
 #   bash benchmarks/gpu.sh [STEP...]        steps: tests syncs suite paper train (default: all, ~25 min on an H100)
+#                                           paper-train and paper-decode: paper's two halves, for time-limited calls
 #
 # tests   the CUDA tests: kernels against the explicit path, CUDA against the CPU, autocast training,
 #         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one
@@ -14,7 +15,8 @@
 # train   `tformer train configs/base.yaml` in bf16 for $MINUTES minutes (default 10) on Multi30k;
 #         prints the run's own median tokens/s, TFLOP/s and MFU
 #
-# Results go to $RESULTS (default gpu-results/): a log per step, JSON where the step writes some.
+# Results go to $RESULTS (default gpu-results/): a log per step, JSON where the step writes some
+# (written after every workload and size, so a step cut off by a time limit keeps what it finished).
 # Multi30k is read from $MULTI30K (default ../shared/data/multi30k); Python is $PYTHON (python3),
 # with the bench extra installed (transformers, x-transformers, ctranslate2) or on PYTHONPATH.
 set -euo pipefail
@@ -34,10 +36,13 @@ suite() {
     "$PYTHON" benchmarks/run.py --device cuda --json "$RESULTS/suite.json"
 }
 
-paper() {
-    "$PYTHON" benchmarks/run.py --device cuda --scale paper --json "$RESULTS/paper.json" \
+paper_run() {  # $1: the workloads, $2: the JSON's name
+    "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads "$1" --json "$RESULTS/$2.json" \
         --peers torch,marian,xtransformers,ct2,ct2-int8,tformer-compile
 }
+paper() { paper_run train,memory,greedy,beam paper; }
+paper-train() { paper_run train,memory paper-train; }
+paper-decode() { paper_run greedy,beam paper-decode; }
 
 syncs() {
     "$PYTHON" - "$RESULTS/syncs-run" <<'EOF'
@@ -94,8 +99,9 @@ EOF
 for step in "${@:-tests syncs suite paper train}"; do
     for one in $step; do
         case $one in
-            tests|syncs|suite|paper|train) echo "== $one $(date -u +%H:%M:%S)"; $one 2>&1 | tee "$RESULTS/$one.log" ;;
-            *) echo "unknown step $one: choose from tests syncs suite paper train" >&2; exit 2 ;;
+            tests|syncs|suite|paper|paper-train|paper-decode|train)
+                echo "== $one $(date -u +%H:%M:%S)"; $one 2>&1 | tee "$RESULTS/$one.log" ;;
+            *) echo "unknown step $one: choose from tests syncs suite paper paper-train paper-decode train" >&2; exit 2 ;;
         esac
     done
 done

@@ -395,25 +395,29 @@ def main(argv: list[str] | None = None) -> None:
         print(f"skipping peers that are not installed: {', '.join(missing)} (pip install -e '.[bench]')")
     peak = matmul_peak(device, PRECISION)
     records: list[dict] = []
+    meta = {"device": args.device, "precision": PRECISION, "accel": args.accel,
+            "accel_skip": list(systems.ACCEL_SKIP), "matmul_peak_flops": peak, "torch": torch.__version__}
+
+    def save() -> None:  # after every workload and size: a run cut short by a time limit keeps what it measured
+        add_ratios(records)
+        if args.json:
+            args.json.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+
     for workload in args.workloads.split(","):
         for size in args.sizes.split(","):
             if workload in ("train", "greedy", "beam"):
                 records += run_speed_fresh(workload, size, args, peers, peak)
             elif workload == "memory":
                 records += run_memory(size, device, peers, args.memory_repeats, _scale_flags(args))
+            save()
         if workload == "data":
             step = next((args.train_batch * 24 / r["median"] for r in records
                          if r["workload"] == "train" and r["system"] == "tformer" and r["size"] == "small"), None)
             records += run_data(step)
+            save()
         print(f"done: {workload}", file=sys.stderr)
-    add_ratios(records)
     print_table(records, f"{device.type} ({os.cpu_count()} cores)" if device.type == "cpu"
                 else torch.cuda.get_device_name(), peak)
-    if args.json:
-        meta = {"device": args.device, "precision": PRECISION, "accel": args.accel,
-                "accel_skip": list(systems.ACCEL_SKIP), "matmul_peak_flops": peak,
-                "torch": torch.__version__}
-        args.json.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
 
 
 if __name__ == "__main__":

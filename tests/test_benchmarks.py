@@ -92,3 +92,29 @@ def test_paper_scale_decoding_translates_a_test_set_batched_by_tokens():
     for src, new_tokens in batches:  # every sentence once, its EOS last, as many new tokens as the longest source
         assert src.numel() <= 8192 and new_tokens == src.shape[1] and ((src == EOS).sum(dim=1) == 1).all()
         assert (src[:, -1] == EOS).any() and (src[:, 0] != PAD).all()
+
+
+def test_a_run_cut_short_keeps_the_workloads_it_finished(tmp_path, monkeypatch):
+    """A time limit (a lent GPU's, a CI job's) that stops the suite mid-way leaves the finished
+    workloads' records in --json, ratios included."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_run", RUN)
+    run = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    spec.loader.exec_module(run)
+
+    def fake_speed(workload, size, args, peers, peak):
+        if workload == "greedy":
+            raise KeyboardInterrupt  # the limit strikes during the second workload
+        return [{"workload": workload, "size": size, "system": system, "median": median, "min": median,
+                 "max": median, "unit": "tokens/s"} for system, median in (("tformer", 300.0), ("torch", 200.0))]
+
+    monkeypatch.setattr(run, "run_speed_fresh", fake_speed)
+    monkeypatch.setattr(run, "matmul_peak", lambda device, precision: 1e12)
+    out = tmp_path / "results.json"
+    with pytest.raises(KeyboardInterrupt):
+        run.main(["--workloads", "train,greedy", "--sizes", "small", "--peers", "torch", "--json", str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert [(r["workload"], r["system"]) for r in records] == [("train", "tformer"), ("train", "torch")]
+    assert records[0]["ratio_vs_best_peer"] == pytest.approx(1.5)
