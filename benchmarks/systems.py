@@ -198,11 +198,9 @@ class TformerCompiled(Tformer):
     decodes = False
 
     def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
-        from tformer_cli.evaluation import label_smoothed_loss
-
         super().__init__(size, device, fused)
         self.name = "tformer +compile"
-        self.loss = torch.compile(label_smoothed_loss, dynamic=True)
+        self.loss = torch.compile(self.loss, dynamic=True)
 
 
 class TformerInt8(Tformer):
