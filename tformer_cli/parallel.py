@@ -105,11 +105,14 @@ def distribute(objective: nn.Module, layers: list[nn.Module], workers: Workers, 
     if not workers.grouped:
         return objective
     if engine == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # the mesh names the training device: left to itself, FSDP2 shards onto CUDA wherever there is a GPU
+        mesh = init_device_mesh(device.type, (workers.size,))
         for layer in layers:
-            fully_shard(layer)
-        return fully_shard(objective)
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(objective, mesh=mesh)
     from torch.nn.parallel import DistributedDataParallel
 
     # the model's buffers are constants (positions, ALiBi slopes): no need to broadcast them every step;
