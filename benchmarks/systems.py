@@ -49,10 +49,14 @@ class TrainBatch:
     src: torch.Tensor  # (B, S)
     tgt_in: torch.Tensor  # (B, T)
     tgt_out: torch.Tensor  # (B, T)
+    target_tokens: int  # counted on the host, as ``tformer train`` counts them
+    real: torch.Tensor  # (target_tokens,): their positions in tgt_out.flatten() (``data.Batch.real``)
 
-    @property
-    def target_tokens(self) -> int:
-        return int((self.tgt_out != PAD).sum())
+    @classmethod
+    def of(cls, src: torch.Tensor, tgt: torch.Tensor, device: torch.device) -> "TrainBatch":
+        """From host tensors: sources (B, S) and targets (B, T + 1) with <s> first."""
+        real = (tgt[:, 1:].flatten() != PAD).nonzero().squeeze(1)
+        return cls(src.to(device), tgt[:, :-1].to(device), tgt[:, 1:].to(device), len(real), real.to(device))
 
 
 def make_batch(size: Size, batch: int, length: int, device: torch.device, seed: int = 0) -> TrainBatch:
@@ -60,7 +64,7 @@ def make_batch(size: Size, batch: int, length: int, device: torch.device, seed: 
     src = torch.randint(4, size.vocab, (batch, length), generator=generator)
     tgt = torch.randint(4, size.vocab, (batch, length + 1), generator=generator)
     src[:, -1], tgt[:, 0] = EOS, BOS
-    return TrainBatch(src.to(device), tgt[:, :-1].to(device), tgt[:, 1:].to(device))
+    return TrainBatch.of(src, tgt, device)
 
 
 def paper_batches(size: Size, target_tokens: int, count: int, device: torch.device, seed: int = 0) -> list[TrainBatch]:
@@ -82,7 +86,7 @@ def paper_batches(size: Size, target_tokens: int, count: int, device: torch.devi
             src_ids[row, src_lengths[i] - 1] = EOS
             tgt_ids[row, 1:tgt_lengths[i]] = torch.randint(4, size.vocab, (tgt_lengths[i] - 1,), generator=generator)
             tgt_ids[row, 0], tgt_ids[row, tgt_lengths[i]] = BOS, EOS
-        batches.append(TrainBatch(src_ids.to(device), tgt_ids[:, :-1].to(device), tgt_ids[:, 1:].to(device)))
+        batches.append(TrainBatch.of(src_ids, tgt_ids, device))
     return batches
 
 
@@ -171,7 +175,7 @@ class Tformer(System):
         from tformer_cli.data import Batch
 
         self.model.train()
-        ours = Batch(batch.src, batch.tgt_in, batch.tgt_out, [], batch.target_tokens)
+        ours = Batch(batch.src, batch.tgt_in, batch.tgt_out, [], batch.target_tokens, batch.real)
         loss, _ = self.loss(self.model, ours, SMOOTHING)
         (loss / batch.target_tokens).backward()
         self.optimizer.step()

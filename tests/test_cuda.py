@@ -76,6 +76,37 @@ def test_training_on_cuda_with_autocast(tmp_path, precision):
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
+def test_a_training_step_on_cuda_never_waits_for_the_gpu():
+    """Forward, the loss over real tokens, backward, clipping and the fused AdamW step queue kernels
+    without reading anything back: the host stays ahead of the GPU from one step to the next."""
+    from tformer_cli.accel import accelerate
+    from tformer_cli.config import TrainConfig
+    from tformer_cli.data import Batch
+    from tformer_cli.evaluation import label_smoothed_loss
+    from tformer_cli.optim import make_optimizer
+
+    model = accelerate(build_model(tiny_model_config(), 40).cuda(), "cuda")
+    optimizer = make_optimizer(model, TrainConfig(), torch.device("cuda"))
+    src, tgt = torch.randint(4, 40, (6, 11)), torch.randint(4, 40, (6, 10))
+    tgt[2, 6:] = tgt[4, 3:] = 0  # padding, so that the real tokens are a selection
+    host = Batch(src, tgt[:, :-1], tgt[:, 1:], list(range(6)), int((tgt[:, 1:] != 0).sum()))
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            loss, _ = label_smoothed_loss(model, host.to("cuda"), 0.1)
+        (loss / host.num_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the first step creates the optimizer's state
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_two_processes_on_cuda_train_as_one_process_accumulating(tmp_path, engine):
     """NCCL with a GPU per process; on a machine with one GPU, both processes share it over gloo."""

@@ -519,10 +519,18 @@ class Batch:
     tgt_out: torch.Tensor  # (B, T): y_1 ... y_m </s>
     indices: list[int]  # positions in the split
     num_tokens: int  # non-pad target tokens
+    # (num_tokens,): where tgt_out.flatten() holds them, found where the batch is made (on the host),
+    # so that the loss selects them without waiting for the GPU to count them
+    real: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.real is None:
+            self.real = (self.tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(self.src.to(device, non_blocking=True), self.tgt_in.to(device, non_blocking=True),
-                     self.tgt_out.to(device, non_blocking=True), self.indices, self.num_tokens)
+        src, tgt_in, tgt_out, real = (t.to(device, non_blocking=True)
+                                      for t in (self.src, self.tgt_in, self.tgt_out, self.real))
+        return Batch(src, tgt_in, tgt_out, self.indices, self.num_tokens, real)
 
 
 def token_batches(src_lengths: list[int], tgt_lengths: list[int], max_tokens: int, seed: int = 0, epoch: int = 0,
@@ -560,7 +568,8 @@ def collate(split: EncodedSplit, indices: list[int]) -> Batch:
     src = split.src.pad(indices, PAD_ID)
     tgt = split.tgt.pad(indices, PAD_ID)
     tgt_out = tgt[:, 1:]
-    return Batch(src, tgt[:, :-1], tgt_out, indices, int((tgt_out != PAD_ID).sum()))
+    real = (tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
+    return Batch(src, tgt[:, :-1], tgt_out, indices, len(real), real)
 
 
 def pad_sequences(sequences: list[list[int]]) -> torch.Tensor:

@@ -16,7 +16,6 @@ from torch import Tensor
 from tformer_cli.data import Batch, EncodedSplit, collate, token_batches
 from tformer_cli.ensemble import Ensemble, as_ensemble
 from tformer_cli.loss import linear_smoothed_cross_entropy
-from tformer_cli.tokenizer import PAD_ID
 
 
 def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float,
@@ -30,13 +29,14 @@ def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float,
     Returns:
         (smoothed loss sum to back-propagate, NLL sum, detached).
     """
-    src, tgt_in = batch.src, batch.tgt_in
-    real = batch.tgt_out != PAD_ID  # (B, T)
+    src, tgt_in, real = batch.src, batch.tgt_in, batch.real  # real: positions of non-pad tokens in tgt_out
     if rdrop:
         src, tgt_in = torch.cat([src, src]), torch.cat([tgt_in, tgt_in])
     hidden = model.decode(tgt_in, model.encode(src)).hidden  # (B, T, d_model), or (2B, T, d_model)
-    rows = hidden[torch.cat([real, real])] if rdrop else hidden[real]  # the first pass's tokens, then the second's
-    return linear_smoothed_cross_entropy(rows, model.output_proj.weight, batch.tgt_out[real], smoothing, rdrop)
+    # selected by position, not by a mask, whose row count the host would wait for the GPU to find
+    rows = hidden.flatten(0, 1).index_select(0, torch.cat([real, real + batch.tgt_out.numel()]) if rdrop else real)
+    target = batch.tgt_out.flatten().index_select(0, real)  # the first pass's tokens, then the second's
+    return linear_smoothed_cross_entropy(rows, model.output_proj.weight, target, smoothing, rdrop)
 
 
 class Seq2SeqLoss(torch.nn.Module):
@@ -74,26 +74,26 @@ def evaluate_loss(model: torch.nn.Module | Ensemble, split: EncodedSplit, max_to
     was_training = [m.training for m in models.models]
     for m in models.models:
         m.eval()
-    total, tokens = 0.0, 0
+    total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0  # read once, at the end
     for indices in token_batches(split.src.lengths(), split.tgt.lengths(), max_tokens, shuffle=False):
         batch = collate(split, indices).to(device)
         if len(models.models) == 1:
             nll = label_smoothed_loss(models.models[0], batch, 0.0)[1]
         else:
             nll = ensemble_nll(models, batch)
-        total += nll.item()
+        total += nll
         tokens += batch.num_tokens
     for m, training in zip(models.models, was_training):
         m.train(training)
-    return LossResult(total / max(tokens, 1), tokens)
+    return LossResult(float(total) / max(tokens, 1), tokens)
 
 
 def ensemble_nll(models: Ensemble, batch: Batch) -> Tensor:
     """NLL sum over the batch's real target tokens of the models' averaged probabilities."""
-    real = batch.tgt_out != PAD_ID
-    log_probs = torch.stack([m(batch.src, batch.tgt_in)[real].float().log_softmax(dim=-1) for m in models.models])
+    log_probs = torch.stack([m(batch.src, batch.tgt_in).flatten(0, 1).index_select(0, batch.real).float()
+                             .log_softmax(dim=-1) for m in models.models])
     averaged = torch.logsumexp(log_probs, dim=0) - math.log(len(models.models))  # (tokens, V)
-    return -averaged.gather(1, batch.tgt_out[real][:, None]).sum()
+    return -averaged.gather(1, batch.tgt_out.flatten().index_select(0, batch.real)[:, None]).sum()
 
 
 def corpus_scores(hypotheses: list[str], references: list[str]) -> dict[str, float | str]:
