@@ -279,3 +279,24 @@ def test_a_killed_process_stops_the_others_within_seconds(tmp_path, engine, vict
         for p in processes:
             p.kill()
             p.wait()
+
+
+def test_fsdp_refuses_processes_that_share_a_gpu(monkeypatch):
+    """More processes on a node than GPUs: DDP shares them over gloo, FSDP stops before joining with
+    one line that says what to run instead (on a machine without a GPU, CUDA's answers are stood in)."""
+    from tformer_cli import parallel
+    from tformer_cli.errors import UsageError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    joined = []
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kw: joined.append(backend))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with pytest.raises(UsageError, match=r"runs 2 processes on 1 GPU\(s\): run --nproc-per-node 1, or "
+                                         r"train.parallel=ddp"):
+        parallel.join(torch.device("cuda"), "fsdp")
+    assert joined == []
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    assert parallel.join(torch.device("cuda"), "ddp").grouped and joined == ["cpu:gloo,cuda:gloo"]

@@ -126,7 +126,7 @@ def train(
                                    main=_launched_rank() == 0, device=device)
     except KeyboardInterrupt as exc:
         _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), None, _launched_rank() == 0)
-    workers = parallel.join(resolve_device(cfg.train.device))  # under torchrun: one of several processes
+    workers = parallel.join(resolve_device(cfg.train.device), cfg.train.parallel)  # under torchrun: one of several
     progress = TrainProgress(quiet or json_output)
     try:
         result = run_training(cfg, run_dir, resume=resume is not None, callback=progress, workers=workers)

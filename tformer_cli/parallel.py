@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_map_only
 
-from tformer_cli.errors import TformerError
+from tformer_cli.errors import TformerError, UsageError
 
 # How long a process waits in a collective for the others: long enough for rank 0 to validate with BLEU
 # while the others wait for its figures, short enough that a process stuck without a peer ends.
@@ -165,10 +165,10 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]
     optimizer.load_state_dict({**saved, "state": state})
 
 
-def join(device: torch.device) -> Workers:
+def join(device: torch.device, engine: str = "ddp") -> Workers:
     """Join the process group ``torchrun`` describes in the environment (WORLD_SIZE > 1): NCCL for the
     gradients on CUDA, one GPU per process (LOCAL_RANK), and gloo for the CPU's small messages (and for
-    everything when a node runs more processes than it has GPUs)."""
+    everything when a node runs more processes than it has GPUs: DDP only)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1:
         return Workers()
@@ -178,7 +178,11 @@ def join(device: torch.device) -> Workers:
             gpu = torch.device("cuda", local % gpus)
             torch.cuda.set_device(gpu)
             # NCCL wants a GPU of its own per process; more processes than GPUs share them over gloo
-            shared = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > gpus
+            processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            shared = processes > gpus
+            if shared and engine == "fsdp":  # sharding saves nothing there, and FSDP2 over gloo crashed on CUDA
+                raise UsageError(f"train.parallel=fsdp needs a GPU per process, and this node runs {processes} "
+                                 f"processes on {gpus} GPU(s): run --nproc-per-node {gpus}, or train.parallel=ddp")
             backend = "cpu:gloo,cuda:gloo" if shared else "cpu:gloo,cuda:nccl"
             dist.init_process_group(backend, device_id=None if shared else gpu, timeout=COLLECTIVE_TIMEOUT)
         else:
