@@ -8,7 +8,9 @@
 #         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one
 # suite   the suite (`benchmarks/run.py --device cuda`: every peer, CTranslate2 among the decoders)
 # paper   `--scale paper`: base and big at ~25,000 target tokens a step, tformer with train.compile
-#         beside it (the GPU default if it wins): paper-train; decoding 3,000 sentences: paper-decode
+#         beside it (the GPU default if it wins): paper-train; decoding 3,000 sentences: paper-decode.
+#         $SIZES (default base,big) picks the sizes: on an H100 paper-train at base alone took 5.5 minutes
+#         and paper-decode at both sizes over 8, so a 10-minute call holds one size of each
 # syncs   where training and decoding wait for the GPU: 300 demo steps, then greedy and beam 4 over 64
 #         sentences, on CUDA under torch's sync debug mode; each synchronizing call is counted by the
 #         line of tformer that made it
@@ -19,11 +21,13 @@
 # (written after every workload and size, so a step cut off by a time limit keeps what it finished).
 # Multi30k is read from $MULTI30K (default ../shared/data/multi30k); Python is $PYTHON (python3),
 # with the bench extra installed (transformers, x-transformers, ctranslate2) or on PYTHONPATH.
+# (ctranslate2 4.8's CUDA build loads libcublas.so.12: on a CUDA 13 machine it is skipped.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-gpu-results}
 MULTI30K=${MULTI30K:-../shared/data/multi30k}
 MINUTES=${MINUTES:-10}
+SIZES=${SIZES:-base,big}
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS"
@@ -39,12 +43,12 @@ suite() {
 # Decoding 3,000 sentences takes seconds to minutes a system, so it gets 3 timed repetitions, and the
 # peers its target names (Hugging Face generate) and CTranslate2, not nn.Transformer's uncached loop.
 paper-train() {
-    "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads train,memory --json "$RESULTS/paper-train.json" \
-        --peers torch,marian,xtransformers,tformer-compile
+    "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads train,memory --sizes "$SIZES" \
+        --json "$RESULTS/paper-train-${SIZES/,/-}.json" --peers torch,marian,xtransformers,tformer-compile
 }
 paper-decode() {
-    "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads greedy,beam --json "$RESULTS/paper-decode.json" \
-        --peers marian,ct2,ct2-int8 --repeats 3 --warmup 1
+    "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads greedy,beam --sizes "$SIZES" \
+        --json "$RESULTS/paper-decode-${SIZES/,/-}.json" --peers marian,ct2,ct2-int8 --repeats 3 --warmup 1
 }
 paper() { paper-train; paper-decode; }
 
