@@ -108,6 +108,24 @@ def _weights(run_dir):
     return load_file(str(step_checkpoints(run_dir)[-1] / "model.safetensors"))
 
 
+@pytest.mark.slow  # inductor compiles the step for about 35 s on 2 cores
+def test_train_compile_takes_the_steps_the_eager_loop_takes(tmp_path):
+    """``train.compile`` compiles the loss (model and fused loss together): the same losses and weights."""
+    path = write_config(tmp_path / "c.yaml", model={"dropout": 0.0}, train={"max_steps": 4, "log_every": 1,
+                                                                            "eval_every": 1000})
+    losses = {}
+    for compiled in (False, True):
+        events = []
+        train(load_config(path, [f"train.compile={str(compiled).lower()}"]), tmp_path / str(compiled),
+              callback=lambda event, data: events.append((event, data)))
+        losses[compiled] = [data["loss"] for event, data in events if event == "step"]
+    assert len(losses[True]) == 4
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-5)
+    eager, compiled = _weights(tmp_path / "False"), _weights(tmp_path / "True")
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5)
+
+
 def test_resuming_gives_the_same_weights_as_training_straight_through(tmp_path):
     from safetensors.torch import load_file
 
