@@ -77,8 +77,8 @@ def test_training_on_cuda_with_autocast(tmp_path, precision):
 
 
 def test_a_training_step_on_cuda_never_waits_for_the_gpu():
-    """Forward, the loss over real tokens, backward, clipping and the fused AdamW step queue kernels
-    without reading anything back: the host stays ahead of the GPU from one step to the next."""
+    """The batch's copy, forward, the loss over real tokens, backward, clipping and the fused AdamW step
+    queue kernels without waiting for the GPU: the host stays ahead of it from one step to the next."""
     from tformer_cli.accel import accelerate
     from tformer_cli.config import TrainConfig
     from tformer_cli.data import Batch
@@ -100,11 +100,18 @@ def test_a_training_step_on_cuda_never_waits_for_the_gpu():
         optimizer.zero_grad(set_to_none=True)
 
     step()  # the first step creates the optimizer's state
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda._sleep(2_000_000_000)  # about a second of work queued ahead of the step
+    slept = torch.cuda.Event()
+    slept.record()
+    torch.cuda.set_sync_debug_mode("error")  # a read-back raises
     try:
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    # the sleep still runs: the step was queued behind it, and nothing in it waited (a copy from pageable
+    # memory would have, unnoticed by the sync debug mode)
+    assert not slept.query()
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])

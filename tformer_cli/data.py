@@ -527,8 +527,11 @@ class Batch:
         if self.real is None:
             self.real = (self.tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
 
-    def to(self, device: torch.device) -> "Batch":
-        src, tgt_in, tgt_out, real = (t.to(device, non_blocking=True)
+    def to(self, device: torch.device | str) -> "Batch":
+        # CUDA copies from pageable memory wait until the GPU has finished its queue; from pinned memory
+        # they queue behind it, and the host goes on to queue the step's kernels
+        pin = torch.device(device).type == "cuda"
+        src, tgt_in, tgt_out, real = ((t.pin_memory() if pin else t).to(device, non_blocking=True)
                                       for t in (self.src, self.tgt_in, self.tgt_out, self.real))
         return Batch(src, tgt_in, tgt_out, self.indices, self.num_tokens, real)
 
