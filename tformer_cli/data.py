@@ -571,8 +571,7 @@ def collate(split: EncodedSplit, indices: list[int]) -> Batch:
     src = split.src.pad(indices, PAD_ID)
     tgt = split.tgt.pad(indices, PAD_ID)
     tgt_out = tgt[:, 1:]
-    real = (tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
-    return Batch(src, tgt[:, :-1], tgt_out, indices, len(real), real)
+    return Batch(src, tgt[:, :-1], tgt_out, indices, int((tgt_out != PAD_ID).sum()))
 
 
 def pad_sequences(sequences: list[list[int]]) -> torch.Tensor:

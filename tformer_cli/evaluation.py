@@ -33,9 +33,10 @@ def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float,
     if rdrop:
         src, tgt_in = torch.cat([src, src]), torch.cat([tgt_in, tgt_in])
     hidden = model.decode(tgt_in, model.encode(src)).hidden  # (B, T, d_model), or (2B, T, d_model)
-    # selected by position, not by a mask, whose row count the host would wait for the GPU to find
+    # selected by position, not by a mask, whose row count the host would wait for the GPU to find;
+    # with rdrop, the first pass's tokens, then the second's
     rows = hidden.flatten(0, 1).index_select(0, torch.cat([real, real + batch.tgt_out.numel()]) if rdrop else real)
-    target = batch.tgt_out.flatten().index_select(0, real)  # the first pass's tokens, then the second's
+    target = batch.tgt_out.flatten().index_select(0, real)
     return linear_smoothed_cross_entropy(rows, model.output_proj.weight, target, smoothing, rdrop)
 
 
