@@ -15,7 +15,8 @@
 #         sentences, on CUDA under torch's sync debug mode; each synchronizing call is counted by the
 #         line of tformer that made it
 # train   `tformer train configs/base.yaml` in bf16 for $MINUTES minutes (default 10) on Multi30k;
-#         prints the run's own median tokens/s, TFLOP/s and MFU
+#         prints the run's own median tokens/s, TFLOP/s and MFU; $TRAIN_SET adds a setting
+#         (TRAIN_SET=train.compile=true: the compiled run)
 #
 # Results go to $RESULTS (default gpu-results/): a log per step, JSON where the step writes some
 # (written after every workload and size, so a step cut off by a time limit keeps what it finished).
@@ -95,7 +96,8 @@ EOF
 train() {
     rm -rf "$RESULTS/base-run"
     "$PYTHON" -m tformer_cli train configs/base.yaml --device cuda --output-dir "$RESULTS/base-run" --quiet --json \
-        --set "data.dataset=$MULTI30K" --set train.precision=bf16 --set "train.max_time=$((MINUTES * 60))"
+        --set "data.dataset=$MULTI30K" --set train.precision=bf16 --set "train.max_time=$((MINUTES * 60))" \
+        ${TRAIN_SET:+--set "$TRAIN_SET"}
     "$PYTHON" - "$RESULTS/base-run/metrics.jsonl" <<'EOF'
 import json, statistics, sys
 steps = [r for r in map(json.loads, open(sys.argv[1])) if r["split"] == "train"][1:]  # the first window warms up
