@@ -73,3 +73,32 @@ def copy_attention_into(ours, reference) -> None:
         for theirs, mine in ((reference.in_proj_bias, projections), (reference.out_proj.bias, [ours.out_proj])):
             if theirs is not None:
                 theirs.copy_(torch.cat([p.bias for p in mine]) if mine[0].bias is not None else 0.0)
+
+
+class HostReads:
+    """Records the ops run inside it that read tensor values back to the host: ``.item()``, ``bool()``
+    and ``.tolist()`` (``_local_scalar_dense``), ``nonzero``, boolean-mask indexing. On a GPU each one
+    waits until the device has run everything queued before it; on a CPU they are found the same way."""
+
+    ALWAYS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self.seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                masks = name in ("index", "index_put", "index_put_") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+                if name in HostReads.ALWAYS or masks:
+                    seen.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)

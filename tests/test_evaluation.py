@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_model_config
+from conftest import HostReads, tiny_model_config
 from tformer_cli.data import Batch, EncodedSplit
 from tformer_cli.evaluation import corpus_scores, evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
@@ -41,6 +41,23 @@ def test_label_smoothed_loss_equals_torch_cross_entropy():
     expected_nll = F.cross_entropy(logits.transpose(1, 2), tgt[:, 1:], ignore_index=0, reduction="sum")
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(nll, expected_nll, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rdrop", [0.0, 0.5])
+def test_the_training_loss_reads_nothing_back_from_the_device(rdrop):
+    """Forward and backward select the real target tokens by positions found on the host: no op that
+    waits for a GPU (boolean-mask indexing did, three times a step)."""
+    model = build_model(tiny_model_config(dropout=0.1), 40).train()
+    src, tgt = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 6))
+    tgt[1, 4:] = 0
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
+    with HostReads() as reads:
+        loss, _ = label_smoothed_loss(model, batch, 0.1, rdrop)
+        loss.backward()
+    assert reads.seen == []
+    with HostReads() as reads:  # the recorder sees such reads
+        torch.randn(batch.tgt_out.shape)[batch.tgt_out != 0].sum().item()
+    assert reads.seen == ["index", "_local_scalar_dense"]
 
 
 def test_rdrop_loss_runs_the_batch_twice_under_different_dropout_masks():
