@@ -140,6 +140,7 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
         unit, flops = "target tok/s", train_flops_per_step(size, 1, src_per_tgt)
     else:
         batch_size, beams = (64, 1) if workload == "greedy" else (16, 4)
+        batch_size = 1 if size == "host" else batch_size
         if PAPER is None:  # one batch, exactly 24 new tokens a sentence
             batches, work, unit = [(make_batch(SIZES[size], batch_size, 24, device).src, 24)], batch_size * 24, "new tok/s"
         else:  # a test set of real lengths
@@ -333,7 +334,8 @@ def _at_least(minimum: int):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", help=f"of {','.join(WORKLOADS)} (default: all; train,memory,greedy,beam with --scale paper)")
-    parser.add_argument("--sizes", help="of small,base,big (default: small,base; base,big with --scale paper)")
+    parser.add_argument("--sizes", help="of small,base,big,host (default: small,base; base,big with --scale paper; "
+                                        "host: decoding's host overhead, one sentence a batch)")
     parser.add_argument("--scale", default="suite", choices=["suite", "paper"],
                         help="suite: one fixed batch of 24-token sentences a step; paper: real lengths, 25k tokens a step")
     parser.add_argument("--paper-tokens", type=_at_least(64), default=25_000, help="target tokens a step (--scale paper)")

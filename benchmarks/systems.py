@@ -39,6 +39,9 @@ SIZES = {
     "small": Size("small", 256, 3, 4, 1024, 8000),
     "base": Size("base", 512, 6, 8, 2048, 37000),
     "big": Size("big", 1024, 6, 16, 4096, 37000),  # the paper's Transformer (big)
+    # base's depth at 64 wide, decoding one sentence a batch (run.py): the arithmetic vanishes and what is
+    # left is the host's work a step, which a GPU waits on (benchmarks/README.md, "Host-bound decoding")
+    "host": Size("host", 64, 6, 8, 128, 1000),
 }
 COMPILE_PEERS = False  # torch.compile nn.Transformer (benchmarks/run.py --scale paper: peers at their best)
 PRECISION = "fp32"  # the suite's precision (benchmarks/run.py --precision): CTranslate2 computes in it too
