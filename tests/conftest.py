@@ -76,9 +76,10 @@ def copy_attention_into(ours, reference) -> None:
 
 
 class HostReads:
-    """Records the ops run inside it that read tensor values back to the host: ``.item()``, ``bool()``
-    and ``.tolist()`` (``_local_scalar_dense``), ``nonzero``, boolean-mask indexing. On a GPU each one
-    waits until the device has run everything queued before it; on a CPU they are found the same way."""
+    """Records the ops run inside it that read tensor values back to the host: ``.item()`` and ``bool()``
+    (``_local_scalar_dense``), ``nonzero``, boolean-mask indexing. On a GPU each one waits until the
+    device has run everything queued before it; on a CPU they are found the same way. (Copies to the
+    host, ``.cpu()`` and ``.tolist()``, are not told apart from copies within a CPU: not recorded.)"""
 
     ALWAYS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive"}
 
