@@ -109,6 +109,7 @@ def distribute(objective: nn.Module, layers: list[nn.Module], workers: Workers, 
         from torch.distributed.fsdp import fully_shard
 
         # the mesh names the training device: left to itself, FSDP2 shards onto CUDA wherever there is a GPU
+        # (pytorch/pytorch#132471)
         mesh = init_device_mesh(device.type, (workers.size,))
         for layer in layers:
             fully_shard(layer, mesh=mesh)
@@ -180,7 +181,8 @@ def join(device: torch.device, engine: str = "ddp") -> Workers:
             # NCCL wants a GPU of its own per process; more processes than GPUs share them over gloo
             processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             shared = processes > gpus
-            if shared and engine == "fsdp":  # sharding saves nothing there, and FSDP2 over gloo crashed on CUDA
+            # FSDP there: sharding saves nothing, and FSDP2 over gloo crashed on CUDA (pytorch/pytorch#132471)
+            if shared and engine == "fsdp":
                 raise UsageError(f"train.parallel=fsdp needs a GPU per process, and this node runs {processes} "
                                  f"processes on {gpus} GPU(s): run --nproc-per-node {gpus}, or train.parallel=ddp")
             backend = "cpu:gloo,cuda:gloo" if shared else "cpu:gloo,cuda:nccl"
