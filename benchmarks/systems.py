@@ -58,7 +58,9 @@ class TrainBatch:
     @classmethod
     def of(cls, src: torch.Tensor, tgt: torch.Tensor, device: torch.device) -> "TrainBatch":
         """From host tensors: sources (B, S) and targets (B, T + 1) with <s> first."""
-        real = (tgt[:, 1:].flatten() != PAD).nonzero().squeeze(1)
+        from tformer_cli.data import real_positions
+
+        real = real_positions(tgt[:, 1:])
         return cls(src.to(device), tgt[:, :-1].to(device), tgt[:, 1:].to(device), len(real), real.to(device))
 
 
@@ -178,7 +180,7 @@ class Tformer(System):
         from tformer_cli.data import Batch
 
         self.model.train()
-        ours = Batch(batch.src, batch.tgt_in, batch.tgt_out, [], batch.target_tokens, batch.real)
+        ours = Batch(batch.src, batch.tgt_in, batch.tgt_out, [], batch.real)
         loss, _ = self.loss(self.model, ours, SMOOTHING)
         (loss / batch.target_tokens).backward()
         self.optimizer.step()

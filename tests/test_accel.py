@@ -46,7 +46,7 @@ def _batch():
     src, tgt = torch.randint(4, VOCAB, (3, 9)), torch.randint(4, VOCAB, (3, 8))
     src[1, 6:] = 0
     tgt[2, 5:] = 0
-    return Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
+    return Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
 
 
 @pytest.mark.parametrize("norm,activation,positional,bias", ARCHITECTURES)

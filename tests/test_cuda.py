@@ -90,7 +90,7 @@ def test_a_training_step_on_cuda_never_waits_for_the_gpu():
     # copies of a real step's size (250 KB a tensor): small ones go through CUDA's command queue anyway
     src, tgt = torch.randint(4, 40, (512, 60)), torch.randint(4, 40, (512, 61))
     tgt[::3, 40:] = tgt[1::5, 20:] = 0  # padding, so that the real tokens are a selection
-    host = Batch(src, tgt[:, :-1], tgt[:, 1:], list(range(512)), int((tgt[:, 1:] != 0).sum()))
+    host = Batch(src, tgt[:, :-1], tgt[:, 1:], list(range(512)))
 
     def step():
         with torch.autocast("cuda", torch.bfloat16):

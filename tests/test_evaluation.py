@@ -33,7 +33,7 @@ def test_label_smoothed_loss_equals_torch_cross_entropy():
     src = torch.randint(4, 40, (3, 6))
     tgt = torch.randint(4, 40, (3, 6))
     tgt[1, 4:] = 0
-    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
     loss, nll = label_smoothed_loss(model, batch, 0.1)
     logits = model(src, tgt[:, :-1])
     expected = F.cross_entropy(logits.transpose(1, 2), tgt[:, 1:], ignore_index=0, label_smoothing=0.1,
@@ -50,7 +50,7 @@ def test_the_training_loss_reads_nothing_back_from_the_device(rdrop):
     model = build_model(tiny_model_config(dropout=0.1), 40).train()
     src, tgt = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 6))
     tgt[1, 4:] = 0
-    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
     with HostReads() as reads:
         loss, _ = label_smoothed_loss(model, batch, 0.1, rdrop)
         loss.backward()
@@ -64,7 +64,7 @@ def test_rdrop_loss_runs_the_batch_twice_under_different_dropout_masks():
     model = build_model(tiny_model_config(dropout=0.3), 40).train()
     src, tgt = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 6))
     tgt[1, 4:] = 0
-    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2], int((tgt[:, 1:] != 0).sum()))
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
     torch.manual_seed(1)
     loss, nll = label_smoothed_loss(model, batch, 0.1, rdrop=2.0)
     torch.manual_seed(1)  # the same masks: one forward over the batch stacked on itself

@@ -33,7 +33,7 @@ def test_a_tiny_model_overfits_one_batch():
     model = build_model(tiny_model_config(dropout=0.0), 30)
     src = torch.randint(4, 30, (4, 7))
     tgt = torch.cat([torch.ones(4, 1, dtype=torch.long), torch.randint(4, 30, (4, 6))], dim=1)
-    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], list(range(4)), 24)
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], list(range(4)))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(150):
         loss, nll = label_smoothed_loss(model, batch, 0.0)

@@ -512,20 +512,33 @@ def train_or_load_vocabulary(cfg: DataConfig, notice: Callable[[str], None] = la
 # ---------------------------------------------------------------------------------------------
 
 
+def real_positions(tgt_out: torch.Tensor) -> torch.Tensor:
+    """(N,) where ``tgt_out.flatten()`` holds its N real (non-pad) tokens."""
+    return (tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
+
+
 @dataclass
 class Batch:
     src: torch.Tensor  # (B, S)
     tgt_in: torch.Tensor  # (B, T): <s> y_1 ... y_m
     tgt_out: torch.Tensor  # (B, T): y_1 ... y_m </s>
     indices: list[int]  # positions in the split
-    num_tokens: int  # non-pad target tokens
-    # (num_tokens,): where tgt_out.flatten() holds them, found where the batch is made (on the host),
-    # so that the loss selects them without waiting for the GPU to count them
+    # ``real_positions(tgt_out)``, found where the batch is made (on the host), so that the loss selects
+    # the real tokens without waiting for the GPU to count them
     real: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.real is None:
-            self.real = (self.tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
+            self.real = real_positions(self.tgt_out)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-pad) target tokens."""
+        return self.real.numel()
+
+    def at_real(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) values of the target positions -> (num_tokens, ...) those of the real tokens."""
+        return x.flatten(0, 1).index_select(0, self.real)
 
     def to(self, device: torch.device | str) -> "Batch":
         # CUDA copies from pageable memory wait until the GPU has finished its queue; from pinned memory
@@ -533,7 +546,7 @@ class Batch:
         pin = torch.device(device).type == "cuda"
         src, tgt_in, tgt_out, real = ((t.pin_memory() if pin else t).to(device, non_blocking=True)
                                       for t in (self.src, self.tgt_in, self.tgt_out, self.real))
-        return Batch(src, tgt_in, tgt_out, self.indices, self.num_tokens, real)
+        return Batch(src, tgt_in, tgt_out, self.indices, real)
 
 
 def token_batches(src_lengths: list[int], tgt_lengths: list[int], max_tokens: int, seed: int = 0, epoch: int = 0,
@@ -570,8 +583,7 @@ def collate(split: EncodedSplit, indices: list[int]) -> Batch:
     """Pad one batch: sources to their longest, targets shifted into input and output."""
     src = split.src.pad(indices, PAD_ID)
     tgt = split.tgt.pad(indices, PAD_ID)
-    tgt_out = tgt[:, 1:]
-    return Batch(src, tgt[:, :-1], tgt_out, indices, int((tgt_out != PAD_ID).sum()))
+    return Batch(src, tgt[:, :-1], tgt[:, 1:], indices)
 
 
 def pad_sequences(sequences: list[list[int]]) -> torch.Tensor:

@@ -35,9 +35,10 @@ def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float,
     hidden = model.decode(tgt_in, model.encode(src)).hidden  # (B, T, d_model), or (2B, T, d_model)
     # selected by position, not by a mask, whose row count the host would wait for the GPU to find;
     # with rdrop, the first pass's tokens, then the second's
-    rows = hidden.flatten(0, 1).index_select(0, torch.cat([real, real + batch.tgt_out.numel()]) if rdrop else real)
-    target = batch.tgt_out.flatten().index_select(0, real)
-    return linear_smoothed_cross_entropy(rows, model.output_proj.weight, target, smoothing, rdrop)
+    rows = hidden.flatten(0, 1).index_select(0, torch.cat([real, real + batch.tgt_out.numel()])) if rdrop \
+        else batch.at_real(hidden)
+    return linear_smoothed_cross_entropy(rows, model.output_proj.weight, batch.at_real(batch.tgt_out), smoothing,
+                                         rdrop)
 
 
 class Seq2SeqLoss(torch.nn.Module):
@@ -91,10 +92,10 @@ def evaluate_loss(model: torch.nn.Module | Ensemble, split: EncodedSplit, max_to
 
 def ensemble_nll(models: Ensemble, batch: Batch) -> Tensor:
     """NLL sum over the batch's real target tokens of the models' averaged probabilities."""
-    log_probs = torch.stack([m(batch.src, batch.tgt_in).flatten(0, 1).index_select(0, batch.real).float()
-                             .log_softmax(dim=-1) for m in models.models])
+    log_probs = torch.stack([batch.at_real(m(batch.src, batch.tgt_in)).float().log_softmax(dim=-1)
+                             for m in models.models])
     averaged = torch.logsumexp(log_probs, dim=0) - math.log(len(models.models))  # (tokens, V)
-    return -averaged.gather(1, batch.tgt_out.flatten().index_select(0, batch.real)[:, None]).sum()
+    return -averaged.gather(1, batch.at_real(batch.tgt_out)[:, None]).sum()
 
 
 def corpus_scores(hypotheses: list[str], references: list[str]) -> dict[str, float | str]:
