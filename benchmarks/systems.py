@@ -52,8 +52,11 @@ class TrainBatch:
     src: torch.Tensor  # (B, S)
     tgt_in: torch.Tensor  # (B, T)
     tgt_out: torch.Tensor  # (B, T)
-    target_tokens: int  # counted on the host, as ``tformer train`` counts them
-    real: torch.Tensor  # (target_tokens,): their positions in tgt_out.flatten() (``data.Batch.real``)
+    real: torch.Tensor  # the real target tokens' positions in tgt_out.flatten(), found on the host (``data.Batch``)
+
+    @property
+    def target_tokens(self) -> int:
+        return self.real.numel()
 
     @classmethod
     def of(cls, src: torch.Tensor, tgt: torch.Tensor, device: torch.device) -> "TrainBatch":
@@ -61,7 +64,7 @@ class TrainBatch:
         from tformer_cli.data import real_positions
 
         real = real_positions(tgt[:, 1:])
-        return cls(src.to(device), tgt[:, :-1].to(device), tgt[:, 1:].to(device), len(real), real.to(device))
+        return cls(src.to(device), tgt[:, :-1].to(device), tgt[:, 1:].to(device), real.to(device))
 
 
 def make_batch(size: Size, batch: int, length: int, device: torch.device, seed: int = 0) -> TrainBatch:
