@@ -258,7 +258,7 @@ def run_memory(size: str, device, peers, repeats: int, scale_flags: list[str]) -
 
 def run_data(step_seconds: float | None) -> list[dict]:
     """Tokenise and batch Multi30k's training pairs (or generated text when it is absent)."""
-    from tformer_cli.config import DataConfig
+    from tformer_cli.config import DataConfig, TrainConfig
     from tformer_cli.data import collate, encode_split, load_pairs, token_batches
     from tformer_cli.tokenizer import Vocabulary
 
@@ -273,7 +273,8 @@ def run_data(step_seconds: float | None) -> list[dict]:
     vocab = Vocabulary.train(pairs, 8000)
     start = time.perf_counter()
     encoded = encode_split(pairs, vocab, cfg)
-    batches = token_batches(encoded.src.lengths(), encoded.tgt.lengths(), 4096)
+    batches = token_batches(encoded.src.lengths(), encoded.tgt.lengths(), 4096,
+                            multiple=TrainConfig().batch_multiple)
     collate_start = time.perf_counter()
     for indices in batches:
         collate(encoded, indices)

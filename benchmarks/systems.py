@@ -80,12 +80,14 @@ def paper_batches(size: Size, target_tokens: int, count: int, device: torch.devi
     with lengths drawn like real data (target mean ~27 tokens, a tail past 100; the source within
     ~15 % of its target), sorted and cut into batches of about ``target_tokens`` padded tokens by
     tformer's own batching (``data.token_batches``), ``count`` of them taken from the shuffled order."""
+    from tformer_cli.config import TrainConfig
     from tformer_cli.data import token_batches
 
     generator = torch.Generator().manual_seed(seed)
     src_lengths, tgt_lengths = paper_lengths(max(4 * count * target_tokens // 27, 64), generator)
     batches = []
-    for indices in token_batches(src_lengths, tgt_lengths, target_tokens, seed=seed)[:count]:
+    multiple = TrainConfig().batch_multiple
+    for indices in token_batches(src_lengths, tgt_lengths, target_tokens, seed=seed, multiple=multiple)[:count]:
         S, T = max(src_lengths[i] for i in indices), max(tgt_lengths[i] for i in indices)
         src_ids = torch.full((len(indices), S), PAD, dtype=torch.long)
         tgt_ids = torch.full((len(indices), T + 1), PAD, dtype=torch.long)
@@ -104,6 +106,7 @@ def paper_sources(size: Size, sentences: int, batch_tokens: int, device: torch.d
     orders a test set, batched by tokens (``tformer eval`` cuts by sentences, 256 hypotheses a batch:
     at real lengths about as many as 8,192 tokens hold), each batch with the tokens to decode for it:
     its longest source's length (a translation is about as long as its source; no system stops early)."""
+    from tformer_cli.config import TrainConfig
     from tformer_cli.data import token_batches
 
     generator = torch.Generator().manual_seed(seed)

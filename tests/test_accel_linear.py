@@ -94,6 +94,24 @@ def test_many_rows_and_small_weights_keep_f_linear(monkeypatch):
         assert not hasattr(layer, "_packed")
 
 
+@needs_packing
+def test_small_weights_are_packed_where_their_products_go_to_onednn_anyway(monkeypatch):
+    """Unpacked, oneDNN builds a kernel for every row count that decoding meets; packed, rows are padded."""
+    from tformer_cli.accel import gemm
+
+    monkeypatch.setattr(linear, "MIN_WEIGHT", 64 * 64 + 1)
+    monkeypatch.setattr(gemm, "MIN_PRODUCT", 0)
+    layer = Linear(64, 64)
+    x = torch.randn(37, 64)
+    with torch.no_grad():
+        layer(x)
+        assert not hasattr(layer, "_packed")  # torch's products: F.linear
+        monkeypatch.setattr(gemm, "_enabled", True)  # products on oneDNN, as on AMD CPUs
+        out = layer(x)
+    assert hasattr(layer, "_packed")
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_unpacked_inference_applies_the_activation_like_training(activation):
     layer = Linear(16, 8, activation=activation)

@@ -233,6 +233,26 @@ def test_token_batches_respect_max_tokens_and_cover_every_example_once():
         assert sorted(b for shard in shards for b in shard) == sorted(batches[:len(batches) // world * world])
 
 
+def test_token_batches_hold_a_multiple_of_sentences_wherever_that_many_fit():
+    import random
+
+    rng = random.Random(1)
+    src = [rng.randint(1, 60) for _ in range(700)]
+    tgt = [rng.randint(1, 60) for _ in range(700)]
+    ordered = token_batches(src, tgt, 300, shuffle=False, multiple=8)
+    assert sorted(i for b in ordered for i in b) == list(range(700))
+    sizes = set()
+    for batch, following in zip(ordered, ordered[1:]):
+        longest = max(max(src[i], tgt[i]) for i in batch)
+        assert len(batch) * longest <= 300
+        if len(batch) % 8:  # fewer than 8 fit: the batch is as full as without the rule
+            assert len(batch) < 8 and max(src[following[0]], tgt[following[0]]) * (len(batch) + 1) > 300
+        sizes.add(len(batch))
+    assert {8, 16}.issubset(sizes) and sizes & set(range(1, 8))  # both kinds occur in this draw
+    shuffled = token_batches(src, tgt, 300, seed=3, multiple=8)  # the epoch's last batch holds what is left
+    assert all(len(batch) % 8 == 0 or len(batch) < 8 for batch in shuffled)
+
+
 def test_collate_pads_and_shifts_targets():
     from tformer_cli.data import EncodedSplit
 

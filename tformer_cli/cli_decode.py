@@ -121,7 +121,8 @@ def eval_command(
                                         seed=seed)
     with amp:
         result = evaluate_run(models, loaded.vocab, data, split, options,
-                              batch_size or loaded.config.decode.batch_size, loaded.config.train.max_tokens, dev)
+                              batch_size or loaded.config.decode.batch_size, loaded.config.train.max_tokens, dev,
+                              loaded.config.train.batch_multiple)
     hypotheses = result.pop("hypotheses")
     if output:
         output.write_text("".join(h + "\n" for h in hypotheses))

@@ -98,6 +98,9 @@ class TrainConfig:
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (ddp), or shard it (fsdp)
     tensorboard: bool = False  # also log the figures to RUN/tensorboard/ (pip install 'tformer[tensorboard]')
     max_tokens: int = 4096  # padded tokens (source or target, the larger) per batch
+    # sentences per batch rounded down to a multiple of this where that many fit (fairseq's
+    # --required-batch-size-multiple): fewer product shapes, so less memory for CPU kernels
+    batch_multiple: int = 8
     grad_accum: int = 1  # batches per optimizer step
     optimizer: Literal["adam", "adamw"] = "adam"  # adam, or adamw (decoupled weight decay)
     # With schedule "noam", lr is the scale factor of d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
@@ -304,7 +307,7 @@ def _validate_train(t: TrainConfig, d: DataConfig, m: ModelConfig, need: Need) -
          f"must be > 0 or null, got {t.clip_grad_norm}")
     need(t.max_tokens >= d.max_length, "train.max_tokens",
          f"{t.max_tokens} is smaller than one sequence (data.max_length {d.max_length}); raise it")
-    for key in ("grad_accum", "log_every", "eval_every", "keep_last", "eval_max_sentences"):
+    for key in ("grad_accum", "batch_multiple", "log_every", "eval_every", "keep_last", "eval_max_sentences"):
         need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
     for key in ("max_steps", "epochs", "max_time", "patience", "save_every"):
         value = getattr(t, key)

@@ -550,11 +550,15 @@ class Batch:
 
 
 def token_batches(src_lengths: list[int], tgt_lengths: list[int], max_tokens: int, seed: int = 0, epoch: int = 0,
-                  shuffle: bool = True, rank: int = 0, world_size: int = 1) -> list[list[int]]:
+                  shuffle: bool = True, rank: int = 0, world_size: int = 1, multiple: int = 1) -> list[list[int]]:
     """Group example indices into batches of at most ``max_tokens`` padded tokens (on the longer side).
 
     Examples are sorted by length (ties broken randomly per epoch) so each batch holds similar lengths
-    and padding stays small; the batch order is then shuffled from (seed, epoch). With ``rank`` and
+    and padding stays small; the batch order is then shuffled from (seed, epoch). A batch into which
+    ``multiple`` examples or more fit holds a multiple of ``multiple`` (the rest start the next batch),
+    as fairseq's ``--required-batch-size-multiple``: its products then have row counts (sentences x
+    positions) from a smaller set, which on CPUs means fewer kernels for oneDNN to build and keep
+    (benchmarks/README.md, "Memory in real training"). With ``rank`` and
     ``world_size``, each process takes every world_size-th batch, all the same number (the last
     len % world_size batches of the epoch's order are left out), so the processes step together.
     Sorting is vectorised and each batch's end found by bisection, so that millions of examples take seconds.
@@ -570,7 +574,10 @@ def token_batches(src_lengths: list[int], tgt_lengths: list[int], max_tokens: in
     while start < n:  # the largest end with longest[end - 1] * (end - start) <= max_tokens; one example at least
         fits = bisect.bisect_right(range(n + 1), max_tokens, lo=start + 1,
                                    key=lambda end: longest[end - 1] * (end - start))
-        start = max(fits - 1, start + 1)
+        size = fits - 1 - start
+        if size >= multiple:
+            size -= size % multiple
+        start += max(size, 1)
         ends.append(start)
     order = order.tolist()
     batches = [order[begin:end] for begin, end in zip([0] + ends[:-1], ends)]

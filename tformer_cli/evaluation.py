@@ -69,7 +69,7 @@ class LossResult:
 
 @torch.no_grad()
 def evaluate_loss(model: torch.nn.Module | Ensemble, split: EncodedSplit, max_tokens: int,
-                  device: torch.device | str = "cpu") -> LossResult:
+                  device: torch.device | str = "cpu", batch_multiple: int = 1) -> LossResult:
     """Teacher-forced mean NLL per target token over a whole split (of the ensemble's averaged
     probabilities, for several models)."""
     models = as_ensemble(model)
@@ -77,7 +77,8 @@ def evaluate_loss(model: torch.nn.Module | Ensemble, split: EncodedSplit, max_to
     for m in models.models:
         m.eval()
     total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0  # read once, at the end
-    for indices in token_batches(split.src.lengths(), split.tgt.lengths(), max_tokens, shuffle=False):
+    for indices in token_batches(split.src.lengths(), split.tgt.lengths(), max_tokens, shuffle=False,
+                                 multiple=batch_multiple):
         batch = collate(split, indices).to(device)
         if len(models.models) == 1:
             nll = label_smoothed_loss(models.models[0], batch, 0.0)[1]
@@ -127,7 +128,7 @@ def validation_bleu(model: torch.nn.Module, vocab, split: EncodedSplit, decode_c
 
 
 def evaluate_run(model: torch.nn.Module | Ensemble, vocab, data_cfg, split: str, options, batch_size: int | None,
-                 max_tokens: int, device: torch.device | str = "cpu") -> dict:
+                 max_tokens: int, device: torch.device | str = "cpu", batch_multiple: int = 1) -> dict:
     """Teacher-forced loss and perplexity, then decoding: BLEU (cased and lowercased), chrF, exact match
     and speed, on one split. Returns the figures and the hypotheses in input order."""
     import time
@@ -137,7 +138,7 @@ def evaluate_run(model: torch.nn.Module | Ensemble, vocab, data_cfg, split: str,
 
     pairs = load_pairs(data_cfg, split)
     encoded = encode_split(pairs, vocab, replace(data_cfg, long_pairs="truncate"))
-    loss = evaluate_loss(model, encoded, max_tokens, device)
+    loss = evaluate_loss(model, encoded, max_tokens, device, batch_multiple)
     start = time.perf_counter()
     results = translate(model, vocab, [source for source, _ in pairs], options, batch_size, device)
     seconds = time.perf_counter() - start

@@ -206,7 +206,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     if slow:
         notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
     scaler = setup.scaler
-    steps_per_epoch = math.ceil(len(_batches(data, cfg.max_tokens, workers=workers)) / cfg.grad_accum)
+    steps_per_epoch = math.ceil(len(_batches(data, cfg.max_tokens, cfg.batch_multiple, workers=workers)) / cfg.grad_accum)
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, total_steps))
     flops = _model_flops(setup, data, None if slow else matmul_peak(device, cfg.precision))
@@ -216,7 +216,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     trainer = setup.trainer.train()
     with signals.between_steps():
         while stop_reason is None:
-            batches = _batches(data, cfg.max_tokens, cfg.seed, state.epoch, workers)
+            batches = _batches(data, cfg.max_tokens, cfg.batch_multiple, cfg.seed, state.epoch, workers)
             while state.batch_in_epoch < len(batches) and stop_reason is None:
                 # batch: grad_accum consecutive batches make one optimizer step
                 start = state.batch_in_epoch
@@ -306,10 +306,11 @@ def _epoch_split(setup: _Setup) -> EncodedSplit:
     return resegment(setup.train_data, setup.vocab, data) if data.bpe_dropout else setup.train_data
 
 
-def _batches(data: EncodedSplit, max_tokens: int, seed: int = 0, epoch: int = 0,
+def _batches(data: EncodedSplit, max_tokens: int, multiple: int, seed: int = 0, epoch: int = 0,
              workers: Workers = Workers()) -> list[list[int]]:
     lengths = data.src.lengths(), data.tgt.lengths()
-    return token_batches(*lengths, max_tokens, seed, epoch, rank=workers.rank, world_size=workers.size)
+    return token_batches(*lengths, max_tokens, seed, epoch, rank=workers.rank, world_size=workers.size,
+                         multiple=multiple)
 
 
 def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
@@ -451,7 +452,7 @@ def _validate(setup: _Setup, model: torch.nn.Module, step: int) -> dict[str, Any
 
     cfg = setup.config.train
     start = time.perf_counter()
-    result = evaluate_loss(model, setup.valid_data, cfg.max_tokens, setup.device)
+    result = evaluate_loss(model, setup.valid_data, cfg.max_tokens, setup.device, cfg.batch_multiple)
     record: dict[str, Any] = {"step": step, "loss": result.loss, "ppl": result.perplexity}
     if cfg.eval_bleu or cfg.best_metric == "bleu":
         record.update(validation_bleu(model, setup.vocab, setup.valid_data, setup.config.decode,

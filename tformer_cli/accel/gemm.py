@@ -98,9 +98,14 @@ def weight_gradient(grad: Tensor, x: Tensor) -> Tensor:
     return _onednn(x.t().contiguous(), grad.t()).t()
 
 
+def on_onednn(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``linear(x, weight)`` multiplies on oneDNN (not too small a product for it)."""
+    return onednn_applies(x, weight) and x.numel() * weight.shape[0] >= MIN_PRODUCT
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, on oneDNN where it is faster (module docstring)."""
-    if not onednn_applies(x, weight) or x.numel() * weight.shape[0] < MIN_PRODUCT:
+    if not on_onednn(x, weight):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):

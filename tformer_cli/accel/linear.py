@@ -22,10 +22,12 @@ from tformer_cli.accel.ops import LINEAR_POINTWISE, REORDER_LINEAR_WEIGHT, nativ
 PACKING = LINEAR_POINTWISE is not None and REORDER_LINEAR_WEIGHT is not None
 # oneDNN's bf16 products need AVX-512 (or AVX-NE-CONVERT); elsewhere torch's op raises instead
 PACKING_BF16 = PACKING and native_on_cpu("bf16")
-# oneDNN builds a kernel for every new row count (then caches it), so rows are padded (see
-# _padded_rows). Packing pays where reading the weight dominates: up to MAX_ROWS rows (an encoder
+# oneDNN builds a kernel for every new row count (then caches it, ~0.6 MB each), so rows are padded
+# (see _padded_rows). Packing pays where reading the weight dominates: up to MAX_ROWS rows (an encoder
 # batch of thousands gained little) and weights of MIN_WEIGHT elements or more (below, oneDNN's call
 # overhead ate the gain); under bf16 autocast, which casts the weight at every call, from smaller ones.
+# Smaller weights are packed too where their unpacked product would run on oneDNN anyway (gemm.py, on
+# AMD CPUs): as fast, and with padded rows they need a few kernels instead of one per row count.
 ROW_MULTIPLE = 8
 MAX_ROWS = 1024
 MIN_WEIGHT = 2**17
@@ -60,7 +62,8 @@ class FastLinear(nn.Linear):
         n = x.numel() // self.in_features  # rows
         dtype = _packed_dtype(x)
         min_weight = MIN_WEIGHT if dtype == torch.float32 else MIN_WEIGHT_AUTOCAST
-        if dtype is None or n == 0 or n > MAX_ROWS or self.in_features * self.out_features < min_weight:
+        small = self.in_features * self.out_features < min_weight
+        if dtype is None or n == 0 or n > MAX_ROWS or (small and not gemm.on_onednn(x, self.weight)):
             return self._unpacked(x)
         padded = _padded_rows(n)
         weight, bias = self._packed_weight(dtype, padded)
