@@ -106,7 +106,6 @@ def paper_sources(size: Size, sentences: int, batch_tokens: int, device: torch.d
     orders a test set, batched by tokens (``tformer eval`` cuts by sentences, 256 hypotheses a batch:
     at real lengths about as many as 8,192 tokens hold), each batch with the tokens to decode for it:
     its longest source's length (a translation is about as long as its source; no system stops early)."""
-    from tformer_cli.config import TrainConfig
     from tformer_cli.data import token_batches
 
     generator = torch.Generator().manual_seed(seed)

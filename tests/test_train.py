@@ -273,7 +273,8 @@ def test_bpe_dropout_resegments_the_training_split_every_epoch(tmp_path, monkeyp
     assert drawn[0].pairs == drawn[1].pairs and drawn[0].tgt != drawn[1].tgt
     start = next(d for e, d in events if e == "start")  # epoch length from the segmentation trained on
     assert start["steps_per_epoch"] == len(token_batches([len(s) for s in drawn[0].src],
-                                                         [len(t) for t in drawn[0].tgt], 600, multiple=8))
+                                                         [len(t) for t in drawn[0].tgt], 600,
+                                                         multiple=load_config(path).train.batch_multiple))
     with pytest.raises(UsageError, match="data.bpe_dropout needs a single process"):
         train(load_config(path), tmp_path / "ddp", workers=Workers(0, 2))
 
