@@ -146,17 +146,21 @@ def test_resuming_gives_the_same_weights_as_training_straight_through(tmp_path):
     assert load_run(run_dir / "checkpoints" / "ema").weights.parent.name == "ema"  # eval and generate take it
 
 
-def test_a_run_saved_before_attention_bias_existed_resumes_with_its_biases(tmp_path):
+@pytest.mark.parametrize("section, key, then", [("model", "attention_bias", True), ("train", "batch_multiple", 1)],
+                         ids=["its-biases", "its-batches"])
+def test_a_run_saved_before_a_key_existed_resumes_as_it_was_trained(tmp_path, section, key, then):
     import yaml
 
-    path = write_config(tmp_path / "old.yaml", model={"attention_bias": True}, train={"max_steps": 2})
+    sections = {"model": {}, "train": {"max_steps": 2}}
+    sections[section][key] = then  # trained with the value such runs had
+    path = write_config(tmp_path / "old.yaml", **sections)
     run_dir = tmp_path / "run"
     train(load_config(path), run_dir)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    del saved["model"]["attention_bias"]  # as written before the option
+    del saved[section][key]  # as written before the option
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
     config, _ = prepare_run(None, run_dir, ["train.max_steps=4"], None)
-    assert config.model.attention_bias
+    assert getattr(getattr(config, section), key) == then
     assert train(config, run_dir, resume=True).state.step == 4
 
 

@@ -181,7 +181,7 @@ SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "dec
 
 # What runs saved before a key existed were trained with, where it differs from the key's default: a run
 # folder's config.yaml that lacks the key gets this value, not the default.
-SAVED_RUN_DEFAULTS: dict[str, dict[str, Any]] = {"model": {"attention_bias": True}}
+SAVED_RUN_DEFAULTS: dict[str, dict[str, Any]] = {"model": {"attention_bias": True}, "train": {"batch_multiple": 1}}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
