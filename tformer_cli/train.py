@@ -206,7 +206,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     if slow:
         notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
     scaler = setup.scaler
-    steps_per_epoch = math.ceil(len(_batches(data, cfg.max_tokens, cfg.batch_multiple, workers=workers)) / cfg.grad_accum)
+    steps_per_epoch = math.ceil(len(_batches(data, cfg, 0, workers)) / cfg.grad_accum)
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, total_steps))
     flops = _model_flops(setup, data, None if slow else matmul_peak(device, cfg.precision))
@@ -216,7 +216,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     trainer = setup.trainer.train()
     with signals.between_steps():
         while stop_reason is None:
-            batches = _batches(data, cfg.max_tokens, cfg.batch_multiple, cfg.seed, state.epoch, workers)
+            batches = _batches(data, cfg, state.epoch, workers)
             while state.batch_in_epoch < len(batches) and stop_reason is None:
                 # batch: grad_accum consecutive batches make one optimizer step
                 start = state.batch_in_epoch
@@ -306,11 +306,11 @@ def _epoch_split(setup: _Setup) -> EncodedSplit:
     return resegment(setup.train_data, setup.vocab, data) if data.bpe_dropout else setup.train_data
 
 
-def _batches(data: EncodedSplit, max_tokens: int, multiple: int, seed: int = 0, epoch: int = 0,
-             workers: Workers = Workers()) -> list[list[int]]:
+def _batches(data: EncodedSplit, cfg: TrainConfig, epoch: int, workers: Workers) -> list[list[int]]:
+    """This process's batches of ``epoch``, in their order, as ``cfg`` batches."""
     lengths = data.src.lengths(), data.tgt.lengths()
-    return token_batches(*lengths, max_tokens, seed, epoch, rank=workers.rank, world_size=workers.size,
-                         multiple=multiple)
+    return token_batches(*lengths, cfg.max_tokens, cfg.seed, epoch, rank=workers.rank, world_size=workers.size,
+                         multiple=cfg.batch_multiple)
 
 
 def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
