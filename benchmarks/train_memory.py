@@ -1,14 +1,14 @@
 """Resident memory of a real training run: the RSS curve of `tformer train` on Multi30k.
 
     python benchmarks/train_memory.py --minutes 10
-    python benchmarks/train_memory.py --minutes 10 --onednn-products   # fp32 products as on AMD CPUs
+    python benchmarks/train_memory.py --minutes 10 --onednn-products   # fp32 products as on AMD CPUs with AVX-512
 
 Trains configs/multi30k.yaml (with its validation BLEU every 500 steps) on the local Multi30k for the
 given minutes, samples the process's RSS every few seconds, and prints the curve a minute at a time
 (RSS, steps done, the logged target tokens/s), then the peak (VmHWM) and the median tokens/s. The
 suite's fixed-shape workloads hide what real batches do: every batch shape can cost a compiled kernel
 and heap that the process keeps. `--onednn-products` sends fp32 products to oneDNN, as the speed
-layer does on CPUs not made by Intel, to see that on an Intel machine. `--set` passes overrides on.
+layer does on CPUs with AVX-512 not made by Intel, to see that elsewhere. `--set` passes overrides on.
 """
 
 from __future__ import annotations

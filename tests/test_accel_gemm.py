@@ -57,8 +57,9 @@ def test_linear_gradient_for_the_input_only_and_the_weight_only(onednn):
 
 def test_where_products_go(monkeypatch):
     monkeypatch.setattr(gemm.platform, "machine", lambda: "x86_64")
-    for vendor, expected in (("AuthenticAMD", True), ("GenuineIntel", False), (None, False)):
-        monkeypatch.setattr(gemm, "_cpu_vendor", lambda: vendor)
+    for vendor, flags, expected in (("AuthenticAMD", {"avx2", "avx512f"}, True), ("AuthenticAMD", {"avx2"}, False),
+                                    ("GenuineIntel", {"avx2", "avx512f"}, False), (None, set(), False)):
+        monkeypatch.setattr(gemm, "_cpu_info", lambda: (vendor, flags))
         assert gemm.pays_here() == (expected and torch.backends.mkl.is_available())
     monkeypatch.setattr(gemm, "pays_here", lambda: True)
     model = build_model(ModelConfig(d_model=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1), 20)

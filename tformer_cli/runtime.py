@@ -80,7 +80,7 @@ def slow_precision(device: torch.device, precision: str) -> str | None:
 @functools.cache
 def matmul_peak(device: torch.device, precision: str) -> float:
     """FLOP/s of a product of two square matrices in ``precision`` on ``device``, by the kernel the
-    model's linear layers use (on AMD CPUs the speed layer's oneDNN, not MKL): the best of 5 after 2
+    model's linear layers use (on AMD CPUs with AVX-512 the speed layer's oneDNN, not MKL): the best of 5 after 2
     warm-ups, measured once per process (n = 8,192 on a GPU, about 10 ms; 1,024 on a CPU, about 0.1 s
     on 2 cores). It is what model FLOPs utilization (MFU) is measured against: the device's
     attainable peak, not its data sheet's."""

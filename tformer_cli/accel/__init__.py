@@ -6,7 +6,7 @@ tested equal to the plain path (tests/test_accel*.py), and turned off by ``train
 
 - ``FastLinear`` / ``FastFeedForward`` (linear.py): decoding multiplies by weights packed for oneDNN,
   the FFN's activation fused into its first product;
-- fp32 products on oneDNN where torch's BLAS is slow (gemm.py: x86 CPUs not made by Intel), also
+- fp32 products on oneDNN where torch's BLAS is slow (gemm.py: x86 CPUs with AVX-512 not made by Intel), also
   in the fused loss;
 - ``FastDropout`` (dropout.py): masks from SplitMix64 words instead of a Mersenne Twister per element;
 - ``CpuAttention`` (attention.py): each attention call to the fastest of torch's CPU kernels;

@@ -1,10 +1,11 @@
 """fp32 matrix products on oneDNN, on CPUs where it beats torch's default BLAS.
 
 Torch multiplies fp32 matrices on a CPU with MKL, and MKL does not run its AVX-512 kernels on AMD
-CPUs, where oneDNN, which torch also ships, is about twice as fast. So on x86 CPUs not made by Intel,
-``linear`` runs on oneDNN, its gradients too (``_Linear``), as do the fused loss's vocabulary
-products; on Intel CPUs, under autocast (whose bf16 products torch already sends to oneDNN), for
-small products and off the CPU it is ``F.linear``.
+CPUs, where oneDNN, which torch also ships, is about twice as fast. So on x86 CPUs with AVX-512 not
+made by Intel, ``linear`` runs on oneDNN, its gradients too (``_Linear``), as do the fused loss's
+vocabulary products. Elsewhere (Intel CPUs, and AMD CPUs without AVX-512, where MKL's AVX2 kernels
+are as fast as oneDNN's and need no compiled kernel per shape), under autocast (whose bf16 products
+torch already sends to oneDNN), for small products and off the CPU it is ``F.linear``.
 
 oneDNN's entry point is torch's ``mkldnn._linear_pointwise`` (behind torch.compile's CPU linear
 layers): x @ w^T for a row-major x and a w of any strides, so a product with a transposed factor
@@ -39,23 +40,31 @@ def enable(on: bool) -> None:
 
 
 def pays_here() -> bool:
-    """Whether oneDNN's fp32 products beat torch's here: on x86 CPUs not made by Intel, where torch's
-    BLAS is MKL. A rule, not a timing, so that every process of a run (and a resumed run) multiplies
-    alike."""
-    return torch.backends.mkl.is_available() and platform.machine() in ("x86_64", "AMD64") \
-        and _cpu_vendor() not in (None, "GenuineIntel")
+    """Whether oneDNN's fp32 products beat torch's here: on x86 CPUs with AVX-512 not made by Intel,
+    where torch's BLAS is MKL and runs AVX2 kernels. A rule, not a timing, so that every process of a
+    run (and a resumed run) multiplies alike."""
+    if not torch.backends.mkl.is_available() or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    vendor, flags = _cpu_info()
+    return vendor not in (None, "GenuineIntel") and "avx512f" in flags
 
 
-def _cpu_vendor() -> str | None:
-    """The x86 vendor string (GenuineIntel, AuthenticAMD, ...), from /proc/cpuinfo; None elsewhere."""
+def _cpu_info() -> tuple[str | None, set[str]]:
+    """The x86 vendor string (GenuineIntel, AuthenticAMD, ...) and the first CPU's feature flags, from
+    /proc/cpuinfo; (None, empty) elsewhere."""
+    vendor, flags = None, set()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    vendor = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
     except OSError:
         pass
-    return None
+    return vendor, flags
 
 
 def onednn_applies(*tensors: Tensor) -> bool:

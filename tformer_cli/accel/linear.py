@@ -27,7 +27,7 @@ PACKING_BF16 = PACKING and native_on_cpu("bf16")
 # batch of thousands gained little) and weights of MIN_WEIGHT elements or more (below, oneDNN's call
 # overhead ate the gain); under bf16 autocast, which casts the weight at every call, from smaller ones.
 # Smaller weights are packed too where their unpacked product would run on oneDNN anyway (gemm.py, on
-# AMD CPUs): as fast, and with padded rows they need a few kernels instead of one per row count.
+# AMD CPUs with AVX-512): as fast, and with padded rows they need a few kernels instead of one per row count.
 ROW_MULTIPLE = 8
 MAX_ROWS = 1024
 MIN_WEIGHT = 2**17
