@@ -112,3 +112,26 @@ def test_a_training_step_on_onednn_matches_torchs_products(monkeypatch):
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     for ours, theirs in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_build_kernels_compiles_each_product_once_without_computing_or_drawing(onednn, monkeypatch):
+    built = []
+    monkeypatch.setattr(gemm, "LINEAR_POINTWISE", lambda x, w, b, *rest: built.append(
+        (tuple(x.shape), x.stride(), tuple(w.shape), w.stride(), b is not None)) or F.linear(x, w, b))
+    x, weight, bias = torch.randn(5, 8), torch.randn(6, 8, requires_grad=True), torch.randn(6)
+    outputs = []
+
+    def one_pass():  # a forward and backward, drawing random numbers as dropout would
+        out = gemm.linear(x.requires_grad_(), weight, bias) * torch.rand(6)
+        outputs.append(out)
+        torch.autograd.grad(out.sum(), [x, weight])
+
+    state = torch.get_rng_state()
+    assert gemm.build_kernels([one_pass, one_pass]) == 3  # the forward, the input and the weight gradient
+    assert torch.equal(torch.get_rng_state(), state)  # a resumed run draws what it would have
+    assert all(torch.equal(out, torch.zeros(5, 6)) for out in outputs)  # the passes' products are not computed
+    assert len(built) == len(set(built)) == 3 and sum(b[4] for b in built) == 1  # each compiled once, after
+    assert weight.grad is None
+    torch.testing.assert_close(gemm.linear(x, weight, bias), F.linear(x, weight, bias))  # then products as before
+    gemm.enable(False)
+    assert gemm.build_kernels([pytest.fail]) == 0  # products not on oneDNN: nothing to build, no pass run

@@ -326,3 +326,28 @@ def test_fp16_loss_scale_is_kept_across_a_resume(tmp_path):
           resume=True)
     resumed = torch.load(step_checkpoints(tmp_path / "run")[-1] / TRAINER, weights_only=True)
     assert resumed["state"]["step"] == 4 and resumed["scaler"]["scale"] == 1024.0  # not reset to 65536
+
+
+def test_building_the_kernels_before_training_changes_no_step(tmp_path, monkeypatch):
+    """With products on oneDNN, training first compiles their kernels with a pass per batch shape
+    (gemm.build_kernels): the run takes the steps a run without those passes takes."""
+    from tformer_cli import train as train_module
+    from tformer_cli.accel import gemm
+
+    if gemm.LINEAR_POINTWISE is None:
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(gemm, "pays_here", lambda: True)
+    monkeypatch.setattr(gemm, "MIN_PRODUCT", 0)
+    path = write_config(tmp_path / "k.yaml", train={"max_steps": 4, "log_every": 1, "eval_every": 1000})
+    built, losses = [], {}
+    build = train_module.build_kernels
+    for first in (True, False):
+        monkeypatch.setattr(train_module, "build_kernels", lambda passes: built.append(build(passes)) if first else 0)
+        events = []
+        train(load_config(path), tmp_path / str(first), callback=lambda event, data: events.append((event, data)))
+        losses[first] = [data["loss"] for event, data in events if event == "step"]
+    gemm.enable(False)
+    assert built[0] > 10 and len(losses[True]) == 4
+    assert losses[True] == losses[False]
+    built_first, lazily = _weights(tmp_path / "True"), _weights(tmp_path / "False")
+    assert all(torch.equal(built_first[name], lazily[name]) for name in lazily)

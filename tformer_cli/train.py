@@ -8,6 +8,7 @@ logs, validates and saves.
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import threading
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tformer_cli.accel import accelerate
+from tformer_cli.accel import accelerate, build_kernels
 from tformer_cli.config import Config, TrainConfig
 from tformer_cli.data import (
     EncodedSplit, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary)
@@ -210,6 +211,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, total_steps))
     flops = _model_flops(setup, data, None if slow else matmul_peak(device, cfg.precision))
+    _build_kernels(setup, data, _batches(data, cfg, state.epoch, workers))  # set-up: before the clocks start
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
@@ -311,6 +313,29 @@ def _batches(data: EncodedSplit, cfg: TrainConfig, epoch: int, workers: Workers)
     lengths = data.src.lengths(), data.tgt.lengths()
     return token_batches(*lengths, cfg.max_tokens, cfg.seed, epoch, rank=workers.rank, world_size=workers.size,
                          multiple=cfg.batch_multiple)
+
+
+def _build_kernels(setup: _Setup, data: EncodedSplit, batches: list[list[int]]) -> None:
+    """Have the speed layer compile the matrix-product kernels of this epoch's batch shapes before the
+    first step, one pass of the objective per shape (``gemm.build_kernels`` says why; it does nothing
+    where products are not on oneDNN). Not under torch.compile or autocast, whose products are not
+    these, nor under FSDP, whose passes would be collectives."""
+    cfg = setup.config.train
+    if cfg.compile or cfg.precision != "fp32" or setup.device.type != "cpu" or setup.sharded:
+        return
+    src, tgt = torch.tensor(data.src.lengths()), torch.tensor(data.tgt.lengths())
+    shapes: dict[tuple[int, int, int], list[int]] = {}
+    for ids in batches:
+        rows = torch.tensor(ids)
+        shapes.setdefault((len(ids), int(src[rows].max()), int(tgt[rows].max())), ids)
+    objective = Seq2SeqLoss(setup.model, cfg.label_smoothing, cfg.rdrop, label_smoothed_loss)
+    params = [p for p in setup.model.parameters() if p.requires_grad]
+
+    def one_pass(ids: list[int]) -> None:
+        loss, _ = objective(collate(data, ids).to(setup.device))
+        torch.autograd.grad(loss, params, allow_unused=True)
+
+    build_kernels(functools.partial(one_pass, ids) for ids in shapes.values())
 
 
 def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:

@@ -11,6 +11,8 @@ tested equal to the plain path (tests/test_accel*.py), and turned off by ``train
 - ``FastDropout`` (dropout.py): masks from SplitMix64 words instead of a Mersenne Twister per element;
 - ``CpuAttention`` (attention.py): each attention call to the fastest of torch's CPU kernels;
 - process settings (``tune_runtime``): glibc keeps freed buffers, oneDNN keeps more kernels;
+- before training, where products run on oneDNN, their kernels compiled side by side
+  (``build_kernels``, which the training loop calls);
 - with ``int8``, int8 linear layers for decoding (int8.py).
 
 On a GPU torch's own kernels are already the fast ones, and nothing is swapped.
@@ -24,9 +26,10 @@ import os
 import torch
 from torch import nn
 
-from tformer_cli.accel import gemm
+from tformer_cli.accel import gemm, heap
 from tformer_cli.accel.attention import CpuAttention
 from tformer_cli.accel.dropout import FastDropout
+from tformer_cli.accel.gemm import build_kernels
 from tformer_cli.accel.int8 import quantize_int8
 from tformer_cli.accel.linear import FastFeedForward, FastLinear
 from tformer_cli.errors import UsageError
@@ -84,7 +87,7 @@ def _swap(module: nn.Module, skip: set[str]) -> None:
 def tune_runtime() -> None:
     """The process-wide CPU settings that training and decoding want, applied before their first
     step: the allocator keeps freed buffers, and oneDNN keeps a kernel for every shape it meets."""
-    tune_allocator()
+    heap.keep_freed_buffers()
     widen_kernel_cache()
 
 
@@ -95,24 +98,3 @@ def widen_kernel_cache() -> None:
     a bf16 run's cache thrashed and training slowed as the run went on. Each kernel holds memory, so
     the cap also bounds what the cache can take (benchmarks/README.md)."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
-
-
-def tune_allocator() -> bool:
-    """Keep freed memory in the process instead of returning it to the OS (glibc only): training frees
-    and allocates the same large buffers every step, which glibc would otherwise serve with fresh
-    mmap()s that page-fault every step (benchmarks/README.md)."""
-    import ctypes
-    import ctypes.util
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-        ok = libc.mallopt(m_mmap_threshold, 32 * 2**20) == 1  # the largest glibc accepts
-        ok &= libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
-        ok &= libc.mallopt(m_top_pad, 256 * 2**20) == 1
-        return bool(ok)
-    except (OSError, AttributeError):
-        return False

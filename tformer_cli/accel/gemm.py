@@ -16,21 +16,55 @@ behind these choices: benchmarks/README.md.
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tformer_cli.accel import heap
 from tformer_cli.accel.ops import LINEAR_POINTWISE
 
 # Below about a million multiply-adds MKL's smaller call overhead wins (benchmarks/README.md)
 MIN_PRODUCT = 2**20
 _enabled = False  # set by ``enable`` (``accelerate`` calls it): fp32 products go to oneDNN
+_recording: set | None = None  # while ``build_kernels`` looks for shapes: the products' signatures
 
 
 def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., k) @ weight (n, k)^T + bias on oneDNN."""
+    if _recording is not None:  # a pass of build_kernels: what oneDNN would be asked, not the product
+        _recording.add((tuple(x.shape), x.stride(), tuple(weight.shape), weight.stride(), bias is not None))
+        return x.new_zeros(*x.shape[:-1], weight.shape[0])
     return LINEAR_POINTWISE(x, weight, bias, "none", [], "")
+
+
+def build_kernels(passes: Iterable[Callable[[], object]]) -> int:
+    """Compile now, side by side at the bottom of the heap, the kernels of every product that
+    ``passes`` make (training: one forward and backward per batch shape); returns how many.
+
+    oneDNN compiles a kernel for each product shape and keeps it, with ~0.6 MB of heap. Built as
+    training meets new shapes, the kernels land between the step's buffers and pin the heap around
+    them: a Multi30k run held 1.7 GB where one with these kernels built first held 1.25
+    (benchmarks/README.md). The passes run with every product replaced by zeros, so they cost a few
+    steps' elementwise work; the random number generator is left as it was, so a resumed run draws
+    what it would have."""
+    global _recording
+    if not _enabled:
+        return 0
+    _recording = signatures = set()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            for run in passes:
+                run()
+    finally:
+        _recording = None
+    with heap.compact():
+        for x_shape, x_stride, w_shape, w_stride, has_bias in sorted(signatures):
+            x = torch.empty_strided(x_shape, x_stride).zero_()
+            weight = torch.empty_strided(w_shape, w_stride).zero_()
+            _onednn(x, weight, weight.new_zeros(w_shape[0]) if has_bias else None)
+    return len(signatures)
 
 
 def enable(on: bool) -> None:
