@@ -211,7 +211,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, total_steps))
     flops = _model_flops(setup, data, None if slow else matmul_peak(device, cfg.precision))
-    _build_kernels(setup, data, _batches(data, cfg, state.epoch, workers))  # set-up: before the clocks start
+    with signals.during_setup():  # set-up: a signal stops it at once, and the clocks start after it
+        _build_kernels(setup, data, _batches(data, cfg, state.epoch, workers))
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
