@@ -1,14 +1,15 @@
 """Resident memory of a real training run: the RSS curve of `tformer train` on Multi30k.
 
     python benchmarks/train_memory.py --minutes 10
-    python benchmarks/train_memory.py --minutes 10 --onednn-products   # fp32 products as on AMD CPUs with AVX-512
+    python benchmarks/train_memory.py --minutes 10 --products onednn   # fp32 products as on AMD CPUs with AVX-512
 
 Trains configs/multi30k.yaml (with its validation BLEU every 500 steps) on the local Multi30k for the
 given minutes, samples the process's RSS every few seconds, and prints the curve a minute at a time
 (RSS, steps done, the logged target tokens/s), then the peak (VmHWM) and the median tokens/s. The
 suite's fixed-shape workloads hide what real batches do: every batch shape can cost a compiled kernel
-and heap that the process keeps. `--onednn-products` sends fp32 products to oneDNN, as the speed
-layer does on CPUs with AVX-512 not made by Intel, to see that elsewhere. `--set` passes overrides on.
+and heap that the process keeps. `--products onednn` sends fp32 products to oneDNN, as the speed
+layer does on CPUs with AVX-512 not made by Intel, to see that elsewhere; `--products torch` leaves
+them on torch's BLAS there. `--set` passes overrides on.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
-# the speed layer's rule (gemm.pays_here) made to answer yes, then tformer's command line
-ONEDNN_LAUNCH = ("import sys, tformer_cli.accel.gemm as g; g.pays_here = lambda: True; "
+# the speed layer's rule (gemm.pays_here) made to answer yes or no, then tformer's command line
+FORCED_LAUNCH = ("import sys, tformer_cli.accel.gemm as g; g.pays_here = lambda: {}; "
                  "from tformer_cli.cli import app; sys.argv[0] = 'tformer'; app()")
 
 
@@ -46,12 +47,14 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "multi30k.yaml")  # absolute: --code
     parser.add_argument("--data", type=Path, default=MULTI30K)
     parser.add_argument("--every", type=float, default=5.0, help="seconds between RSS samples")
-    parser.add_argument("--onednn-products", action="store_true")
+    parser.add_argument("--products", choices=("auto", "onednn", "torch"), default="auto",
+                        help="where fp32 products run: as the speed layer decides here, or forced")
     parser.add_argument("--set", nargs="*", default=[], dest="overrides")
     parser.add_argument("--code", type=Path, default=ROOT, help="the tformer checkout to train with (default: this one)")
     parser.add_argument("--json", type=Path, help="write the samples here")
     args = parser.parse_args()
-    launch = [sys.executable, "-c", ONEDNN_LAUNCH] if args.onednn_products else [sys.executable, "-m", "tformer_cli"]
+    launch = [sys.executable, "-m", "tformer_cli"] if args.products == "auto" else \
+        [sys.executable, "-c", FORCED_LAUNCH.format(args.products == "onednn")]
     with tempfile.TemporaryDirectory() as folder:
         run = Path(folder) / "run"
         overrides = [f"data.dataset={args.data}", f"train.max_time={int(args.minutes * 60)}", *args.overrides]
@@ -72,7 +75,7 @@ def main() -> None:
             sys.exit(f"training failed ({process.returncode}): {errors.read()[-2000:]}")
         logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in logged if r.get("split") == "train"]
-    print(" ".join([f"code {args.code};", f"onednn products: {args.onednn_products};", *overrides]))
+    print(" ".join([f"code {args.code};", f"products: {args.products};", *overrides]))
     print("minute  RSS MiB  peak MiB  steps  tokens/s (last log)")
     for minute in range(1, int(args.minutes) + 2):
         at = [s for s in samples if s["s"] <= minute * 60]
