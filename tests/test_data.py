@@ -1,12 +1,13 @@
 import gzip
 import json
+import os
 from dataclasses import replace
 
 import pytest
 
 from tformer_cli.config import DataConfig
-from tformer_cli.data import (collate, data_fingerprint, encode_split, load_encoded, load_pairs, resegment,
-                              token_batches)
+from tformer_cli.data import (cached, collate, data_fingerprint, encode_split, load_encoded, load_pairs,
+                              prepare_apart, resegment, token_batches, train_or_load_vocabulary)
 from tformer_cli.errors import DataError
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
@@ -195,6 +196,47 @@ def test_worker_processes_encode_a_split_as_one_process_does(tmp_path, monkeypat
     assert parallel.src == serial.src and parallel.tgt == serial.tgt and list(parallel.pairs) == list(serial.pairs)
     assert (parallel.dropped_empty, parallel.dropped_long) == (serial.dropped_empty, serial.dropped_long) == (1, 1)
     assert not list((data.cache_dir()).glob("encoding-*"))  # the workers' parts are gone
+
+
+def test_a_child_process_fills_the_cache_with_what_this_process_would_have_made(tmp_path, monkeypatch):
+    rows = ROWS + [{"de": "", "en": "leer"}]
+    cfg = DataConfig(data_files={"train": _jsonl(tmp_path / "train.jsonl", rows),
+                                 "validation": _jsonl(tmp_path / "valid.jsonl", ROWS[:3])},
+                     source="de", target="en", vocab_size=60, min_frequency=1)
+    assert not cached(cfg, ["train", "validation"])
+    assert prepare_apart(cfg, ["train", "validation"]) == []
+    assert cached(cfg, ["train", "validation"])
+    vocab = train_or_load_vocabulary(cfg)  # the child's, from the cache
+    read = {split: load_encoded(cfg, split, vocab) for split in ("train", "validation")}
+    shared = os.environ["TFORMER_CACHE"]
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "own"))  # this process's own, made here
+    assert train_or_load_vocabulary(cfg).fingerprint() == vocab.fingerprint()
+    for split, got in read.items():
+        made = encode_split(load_pairs(cfg, split), vocab, cfg)
+        assert got.src == made.src and got.tgt == made.tgt and list(got.pairs) == list(made.pairs)
+        assert got.dropped_empty == made.dropped_empty
+    monkeypatch.setenv("TFORMER_CACHE", shared)
+    # with a vocabulary given (a run folder's), only the encodings are made
+    folder = tmp_path / "run"
+    folder.mkdir()
+    vocab.save(folder)
+    other = replace(cfg, max_length=4)
+    assert not cached(other, ["train"], folder)
+    prepare_apart(other, ["train"], folder)
+    assert cached(other, ["train"], folder)
+
+
+def test_the_child_process_errors_arrive_as_one_line_errors(tmp_path):
+    from tformer_cli.data import _in_child
+
+    missing = DataConfig(data_files={"train": str(tmp_path / "nowhere.jsonl")}, source="de", target="en")
+    with pytest.raises(DataError) as raised:
+        prepare_apart(missing, ["train"])
+    with pytest.raises(DataError) as in_process:
+        load_pairs(missing, "train")
+    assert str(raised.value) == str(in_process.value)
+    with pytest.raises(DataError, match="exit code 3"):  # a child that dies without answering
+        _in_child(os._exit, 3)
 
 
 def test_resegment_draws_a_new_segmentation_of_the_same_pairs_and_keeps_the_cache_key():

@@ -17,6 +17,7 @@ from tformer_cli.cli import app
 from tformer_cli.data import cache_dir
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.files import append_jsonl, read_jsonl
+from tformer_cli.optim import learning_rate
 from tformer_cli.run_folder import MARKER
 from tformer_cli.runtime import step_checkpoints
 
@@ -96,15 +97,13 @@ def test_a_planted_or_broken_cache_entry_is_rebuilt_and_never_run(tmp_path, monk
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_exits_128_plus_its_number_with_one_line_to_resume(tmp_path, monkeypatch, signum):
     config = write_config(tmp_path / "t.yaml", train={"max_steps": 6})
-    calls = []
 
-    def loss_then_signal(*args):
-        calls.append(1)
-        if len(calls) == 3:
+    def signal_in_step_3(step, *args):  # after its forward and backward, before the optimizer's step
+        if step == 3:
             os.kill(os.getpid(), signum)
-        return label_smoothed_loss(*args)
+        return learning_rate(step, *args)
 
-    monkeypatch.setattr(training, "label_smoothed_loss", loss_then_signal)
+    monkeypatch.setattr(training, "learning_rate", signal_in_step_3)
     run = tmp_path / "run"
     result = _train(config, "--output-dir", run)
     assert result.exit_code == 128 + signum

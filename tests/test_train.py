@@ -12,6 +12,7 @@ from tformer_cli.data import Batch, token_batches
 from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.model import build_model
+from tformer_cli.optim import learning_rate
 from tformer_cli.parallel import Workers
 from tformer_cli.runtime import load_run, step_checkpoints
 from tformer_cli.runs import prepare_run
@@ -207,16 +208,13 @@ def test_a_signal_midway_through_a_step_stops_after_it_and_the_resume_is_exact(t
 
     path = write_config(tmp_path / "c.yaml", train={"max_steps": 8})  # dropout draws random numbers every step
     train(load_config(path), tmp_path / "straight")
-    calls = []
 
-    def loss_then_signal(*args):  # the signal arrives inside step 4, after its dropout masks were drawn
-        calls.append(1)
-        out = label_smoothed_loss(*args)
-        if len(calls) == 4:
+    def signal_in_step_4(step, *args):  # after its forward and backward: its dropout masks were drawn
+        if step == 4:
             os.kill(os.getpid(), signum)
-        return out
+        return learning_rate(step, *args)
 
-    monkeypatch.setattr(training, "label_smoothed_loss", loss_then_signal)
+    monkeypatch.setattr(training, "learning_rate", signal_in_step_4)
     result = train(load_config(path), tmp_path / "run")
     monkeypatch.undo()
     assert result.stop_reason == "interrupted" and result.signal == signum
@@ -290,14 +288,15 @@ def test_a_diverged_run_stops_before_saving_and_keeps_its_good_checkpoints(tmp_p
 
     from tformer_cli.errors import DivergedError
 
-    calls = []
+    poisoned = []
 
-    def poisoned(model, batch, *args):  # the third step's loss (and so its gradients) turns NaN
-        calls.append(1)
-        loss, nll = label_smoothed_loss(model, batch, *args)
-        return (loss * float("nan"), nll) if len(calls) == 3 else (loss, nll)
+    def nan_rate_in_step_3(step, *args):  # once: the third step's update turns the weights NaN
+        if step == 3 and not poisoned:
+            poisoned.append(step)
+            return float("nan")
+        return learning_rate(step, *args)
 
-    monkeypatch.setattr(training, "label_smoothed_loss", poisoned)
+    monkeypatch.setattr(training, "learning_rate", nan_rate_in_step_3)
     path = write_config(tmp_path / "d.yaml", train={"max_steps": 6, "save_every": 1, "log_every": 2,
                                                     "clip_grad_norm": None, "eval_every": eval_every,
                                                     "eval_bleu": False})
@@ -309,7 +308,7 @@ def test_a_diverged_run_stops_before_saving_and_keeps_its_good_checkpoints(tmp_p
     assert all(t.isfinite().all() for t in load_file(str(saved[-1] / "model.safetensors")).values())
     assert not (tmp_path / "run" / "model.safetensors").exists()  # a first validation of NaN weights: no "best"
     resumed = train(load_config(tmp_path / "run" / "config.yaml", saved_run=True), tmp_path / "run", resume=True)
-    assert resumed.state.step == 6  # the run goes on from step 2 (the poisoned call is behind it)
+    assert resumed.state.step == 6  # the run goes on from step 2 (the poisoned update is behind it)
 
 
 def test_fp16_loss_scale_is_kept_across_a_resume(tmp_path):
@@ -326,6 +325,25 @@ def test_fp16_loss_scale_is_kept_across_a_resume(tmp_path):
           resume=True)
     resumed = torch.load(step_checkpoints(tmp_path / "run")[-1] / TRAINER, weights_only=True)
     assert resumed["state"]["step"] == 4 and resumed["scaler"]["scale"] == 1024.0  # not reset to 65536
+
+
+def test_a_run_on_data_not_yet_cached_reads_and_tokenises_it_in_a_child_process(tmp_path, monkeypatch):
+    """Reading and tokenising leave libraries and heap behind (data.prepare_apart): a run whose data is
+    not cached has a child process fill the cache, then trains from it. Here reading fails; the run
+    does not, and a second run finds everything cached."""
+    import tformer_cli.data as data
+
+    def read_here(*args):
+        raise AssertionError("the training process read the data")
+
+    monkeypatch.setattr(data, "read_pairs", read_here)
+    path = write_config(tmp_path / "c.yaml", data={"max_samples": 137}, train={"max_steps": 2})  # not yet cached
+    for run, prepared in (("first", True), ("second", False)):
+        events = []
+        result = train(load_config(path), tmp_path / run, callback=lambda event, data: events.append((event, data)))
+        assert result.state.step == 2
+        setup = [data["message"] for event, data in events if event == "setup"]
+        assert setup == (["learning the BPE vocabulary and tokenising"] if prepared else [])
 
 
 def test_building_the_kernels_before_training_changes_no_step(tmp_path, monkeypatch):

@@ -359,12 +359,16 @@ def resegment(split: EncodedSplit, vocab: Vocabulary, cfg: DataConfig) -> Encode
     return encode_split(split.pairs, vocab.with_dropout(cfg.bpe_dropout), cfg)
 
 
+def _encoded_path(cfg: DataConfig, split: str, vocab: Vocabulary) -> Path:
+    key = data_fingerprint(cfg, split, vocab.fingerprint(), CACHE_FORMAT)
+    return cache_dir() / "encoded" / f"{split}-{key}.safetensors"
+
+
 def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
                  notice: Callable[[str], None] = lambda message: None) -> EncodedSplit:
     """``read_pairs`` + ``encode_split``, cached on disk by data and tokenizer fingerprint. An entry
     that cannot be read back exactly is rebuilt, after one line to ``notice``."""
-    key = data_fingerprint(cfg, split, vocab.fingerprint(), CACHE_FORMAT)
-    path = cache_dir() / "encoded" / f"{split}-{key}.safetensors"
+    path = _encoded_path(cfg, split, vocab)
     if path.is_file():
         try:
             return read_encoded(path)
@@ -493,7 +497,7 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
 
 def train_or_load_vocabulary(cfg: DataConfig, notice: Callable[[str], None] = lambda message: None) -> Vocabulary:
     """Learn BPE on the training split, or reuse one learned from the same data and settings."""
-    folder = cache_dir() / "tokenizers" / data_fingerprint(cfg, cfg.train_split, RECIPE)
+    folder = _vocabulary_folder(cfg)
     if folder.is_dir():
         try:
             return Vocabulary.load(folder)
@@ -505,6 +509,75 @@ def train_or_load_vocabulary(cfg: DataConfig, notice: Callable[[str], None] = la
     folder.mkdir(parents=True, exist_ok=True)
     vocab.save(folder)
     return vocab
+
+
+def _vocabulary_folder(cfg: DataConfig) -> Path:
+    return cache_dir() / "tokenizers" / data_fingerprint(cfg, cfg.train_split, RECIPE)
+
+
+def cached(cfg: DataConfig, splits: Sequence[str], vocabulary: Path | None = None) -> bool:
+    """Whether the cache holds the vocabulary learned for ``cfg`` (or, given, the one in the folder
+    ``vocabulary``) and the encodings of ``splits`` with it."""
+    try:
+        vocab = Vocabulary.load(vocabulary or _vocabulary_folder(cfg))
+    except CheckpointError:
+        return False
+    return all(_encoded_path(cfg, split, vocab).is_file() for split in splits)
+
+
+def prepare_apart(cfg: DataConfig, splits: Sequence[str], vocabulary: Path | None = None) -> list[str]:
+    """Fill the cache in a child process: the vocabulary learned (``train_or_load_vocabulary``; or,
+    given, the one in the folder ``vocabulary``) and ``splits`` encoded with it. Returns the notices
+    it gave. Reading and tokenising leave libraries, buffers and a fragmented heap behind, ~170 MiB for
+    Multi30k (benchmarks/README.md); a training process that then reads the cache holds none of it."""
+    return _in_child(_prepare, cfg, tuple(splits), vocabulary)
+
+
+def _prepare(cfg: DataConfig, splits: tuple[str, ...], vocabulary: Path | None) -> list[str]:
+    notices: list[str] = []
+    vocab = Vocabulary.load(vocabulary) if vocabulary else train_or_load_vocabulary(cfg, notices.append)
+    for split in splits:
+        load_encoded(cfg, split, vocab, notices.append)
+    return notices
+
+
+def _in_child(function: Callable, *args: Any) -> Any:
+    """``function(*args)`` in a spawned process: what it returns, or what it raises raised here. A
+    signal here (``Interrupted``) stops the child as well; a child that dies without answering (killed,
+    out of memory) is a DataError."""
+    from multiprocessing import get_context
+
+    context = get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_answer, args=(send, function, args))  # not a daemon: it may spawn encoders
+    child.start()
+    send.close()
+    try:
+        returned, value = receive.recv()
+    except EOFError:
+        child.join()
+        raise DataError(f"preparing the data failed: its process ended with exit code {child.exitcode} "
+                        "(out of memory?); run again, or lower data.max_samples") from None
+    except BaseException:
+        child.terminate()
+        raise
+    finally:
+        child.join()
+        receive.close()
+    if not returned:
+        raise value
+    return value
+
+
+def _answer(send, function: Callable, args: tuple) -> None:
+    try:
+        answer = (True, function(*args))
+    except BaseException as exc:  # noqa: BLE001 - raised again in the parent
+        answer = (False, exc)
+    try:
+        send.send(answer)
+    except Exception as exc:  # noqa: BLE001 - an exception that does not pickle: its first line
+        send.send((False, DataError(first_line(answer[1] if not answer[0] else exc))))
 
 
 # ---------------------------------------------------------------------------------------------

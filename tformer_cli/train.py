@@ -24,7 +24,7 @@ import torch
 from tformer_cli.accel import accelerate, build_kernels
 from tformer_cli.config import Config, TrainConfig
 from tformer_cli.data import (
-    EncodedSplit, collate, load_encoded, resegment, token_batches, train_or_load_vocabulary)
+    EncodedSplit, cached, collate, load_encoded, prepare_apart, resegment, token_batches, train_or_load_vocabulary)
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError, first_line
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
@@ -136,23 +136,27 @@ class _Setup:
 
     def _load_data(self, resume: bool, notify: Callback) -> None:
         data = self.config.data
+        warned: set[str] = set()
 
         def warn(message: str) -> None:
-            notify("warning", {"message": message})
+            if message not in warned:  # where the cache cannot be written, the work is done twice
+                warned.add(message)
+                notify("warning", {"message": message})
 
-        if resume or not self.workers.main:  # the other processes take rank 0's, from the run folder
-            self.vocab = Vocabulary.load(self.run_dir)
-        else:
-            notify("setup", {"message": "learning the BPE vocabulary"})
-            self.vocab = train_or_load_vocabulary(data, warn)
-        notify("setup", {"message": "tokenising"})
+        # the other processes, and a resumed run, take the vocabulary in the run folder (rank 0's)
+        vocabulary = self.run_dir if resume or not self.workers.main else None
+        self.validates = data.validation_split is not None  # rank 0 validates; the others take its figures
+        splits = [data.train_split, *([data.validation_split] if self.validates and self.workers.main else [])]
+        if not cached(data, splits, vocabulary):  # learnt and tokenised apart: this process reads the cache
+            notify("setup", {"message": "tokenising" if vocabulary else "learning the BPE vocabulary and tokenising"})
+            for message in prepare_apart(data, splits, vocabulary):
+                warn(message)
+        self.vocab = Vocabulary.load(vocabulary) if vocabulary else train_or_load_vocabulary(data, warn)
         self.train_data = load_encoded(data, data.train_split, self.vocab, warn)
         if len(self.train_data) == 0:
             raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
                             "raise data.max_length or set data.long_pairs: truncate")
-        self.validates = data.validation_split is not None  # rank 0 validates; the others take its figures
-        self.valid_data = load_encoded(data, data.validation_split, self.vocab, warn) \
-            if self.validates and self.workers.main else None
+        self.valid_data = load_encoded(data, data.validation_split, self.vocab, warn) if len(splits) > 1 else None
         if not resume and self.workers.main:  # once the data has loaded: a start that fails on it leaves nothing
             save_run_files(self.run_dir, self.config, self.vocab)
 
