@@ -556,8 +556,9 @@ def _in_child(function: Callable, *args: Any) -> Any:
         returned, value = receive.recv()
     except EOFError:
         child.join()
+        cause = "killed: out of memory?" if (child.exitcode or 0) < 0 else "its error is above"
         raise DataError(f"preparing the data failed: its process ended with exit code {child.exitcode} "
-                        "(out of memory?); run again, or lower data.max_samples") from None
+                        f"({cause})") from None
     except BaseException:
         child.terminate()
         raise
