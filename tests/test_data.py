@@ -239,6 +239,28 @@ def test_the_child_process_errors_arrive_as_one_line_errors(tmp_path):
         _in_child(os._exit, 3)
 
 
+def test_a_signal_while_the_child_works_stops_it_at_once():
+    import signal
+    import time
+
+    from tformer_cli.data import _in_child
+    from tformer_cli.errors import Interrupted
+
+    def interrupted(signum, frame):  # as training's set-up handles SIGINT and SIGTERM
+        raise Interrupted(signum)
+
+    before = signal.signal(signal.SIGALRM, interrupted)
+    start = time.perf_counter()
+    signal.alarm(3)
+    try:
+        with pytest.raises(Interrupted):
+            _in_child(time.sleep, 120)  # returns once the child, stopped, has exited
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    assert time.perf_counter() - start < 30
+
+
 def test_resegment_draws_a_new_segmentation_of_the_same_pairs_and_keeps_the_cache_key():
     pairs = [(r["de"] + " Gartenhaus", r["en"] + " greenhouse") for r in ROWS]
     vocab = Vocabulary.train(pairs, vocab_size=80, min_frequency=1)

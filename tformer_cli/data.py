@@ -10,6 +10,7 @@ import bisect
 import hashlib
 import json
 import os
+import signal
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -560,7 +561,7 @@ def _in_child(function: Callable, *args: Any) -> Any:
         raise DataError(f"preparing the data failed: its process ended with exit code {child.exitcode} "
                         f"({cause})") from None
     except BaseException:
-        child.terminate()
+        child.terminate()  # it unwinds (_answer)
         raise
     finally:
         child.join()
@@ -571,14 +572,25 @@ def _in_child(function: Callable, *args: Any) -> Any:
 
 
 def _answer(send, function: Callable, args: tuple) -> None:
+    """In the child: run, and send back what came of it. Stopped by the parent (SIGTERM) or by Ctrl-C,
+    it unwinds and exits as Python does, releasing what it made, instead of dying with it held."""
+    signal.signal(signal.SIGTERM, _unwind)
     try:
         answer = (True, function(*args))
     except BaseException as exc:  # noqa: BLE001 - raised again in the parent
         answer = (False, exc)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal would interrupt the unwinding
+        signal.signal(signum, signal.SIG_IGN)
     try:
         send.send(answer)
+    except OSError:  # the parent has stopped waiting: it was stopped itself
+        pass
     except Exception as exc:  # noqa: BLE001 - an exception that does not pickle: its first line
         send.send((False, DataError(first_line(answer[1] if not answer[0] else exc))))
+
+
+def _unwind(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 # ---------------------------------------------------------------------------------------------
