@@ -337,6 +337,7 @@ def test_a_run_on_data_not_yet_cached_reads_and_tokenises_it_in_a_child_process(
         raise AssertionError("the training process read the data")
 
     monkeypatch.setattr(data, "read_pairs", read_here)
+    monkeypatch.setattr(data, "PREPARE_APART_FROM", 100)  # so that tiny data is prepared apart too
     path = write_config(tmp_path / "c.yaml", data={"max_samples": 137}, train={"max_steps": 2})  # not yet cached
     for run, prepared in (("first", True), ("second", False)):
         events = []

@@ -36,6 +36,9 @@ ENCODE_CHUNK = 100_000  # pairs tokenised at a time: their ids as Python lists a
 # 330 MiB per million texts, never returned) goes away with each worker
 ENCODE_IN_WORKERS = 500_000
 MAX_ENCODE_WORKERS = 8
+# Data capped below this many pairs (data.max_samples) is learnt and tokenised in the training process:
+# what that leaves behind is small, and a child process's start (~2 s) would cost more than it saves
+PREPARE_APART_FROM = 10_000
 TRAINING_ONLY = {"bpe_dropout"}  # data settings that change neither the vocabulary nor the cached encodings
 FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -524,6 +527,12 @@ def cached(cfg: DataConfig, splits: Sequence[str], vocabulary: Path | None = Non
     except CheckpointError:
         return False
     return all(_encoded_path(cfg, split, vocab).is_file() for split in splits)
+
+
+def worth_preparing_apart(cfg: DataConfig) -> bool:
+    """Whether ``prepare_apart`` pays for this data: unless ``data.max_samples`` caps it below
+    PREPARE_APART_FROM pairs."""
+    return cfg.max_samples is None or cfg.max_samples >= PREPARE_APART_FROM
 
 
 def prepare_apart(cfg: DataConfig, splits: Sequence[str], vocabulary: Path | None = None) -> list[str]:

@@ -24,7 +24,8 @@ import torch
 from tformer_cli.accel import accelerate, build_kernels
 from tformer_cli.config import Config, TrainConfig
 from tformer_cli.data import (
-    EncodedSplit, cached, collate, load_encoded, prepare_apart, resegment, token_batches, train_or_load_vocabulary)
+    EncodedSplit, cached, collate, load_encoded, prepare_apart, resegment, token_batches, train_or_load_vocabulary,
+    worth_preparing_apart)
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError, first_line
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
@@ -147,7 +148,7 @@ class _Setup:
         vocabulary = self.run_dir if resume or not self.workers.main else None
         self.validates = data.validation_split is not None  # rank 0 validates; the others take its figures
         splits = [data.train_split, *([data.validation_split] if self.validates and self.workers.main else [])]
-        if not cached(data, splits, vocabulary):  # learnt and tokenised apart: this process reads the cache
+        if worth_preparing_apart(data) and not cached(data, splits, vocabulary):  # this process reads the cache
             notify("setup", {"message": "tokenising" if vocabulary else "learning the BPE vocabulary and tokenising"})
             for message in prepare_apart(data, splits, vocabulary):
                 warn(message)
