@@ -6,8 +6,9 @@ from dataclasses import replace
 import pytest
 
 from tformer_cli.config import DataConfig
-from tformer_cli.data import (cached, collate, data_fingerprint, encode_split, load_encoded, load_pairs,
-                              prepare_apart, resegment, token_batches, train_or_load_vocabulary)
+from tformer_cli.data import (cached_vocabulary, collate, data_fingerprint, encode_split, encodings_cached,
+                              load_encoded, load_pairs, prepare_apart, resegment, token_batches,
+                              train_or_load_vocabulary)
 from tformer_cli.errors import DataError
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
@@ -203,10 +204,10 @@ def test_a_child_process_fills_the_cache_with_what_this_process_would_have_made(
     cfg = DataConfig(data_files={"train": _jsonl(tmp_path / "train.jsonl", rows),
                                  "validation": _jsonl(tmp_path / "valid.jsonl", ROWS[:3])},
                      source="de", target="en", vocab_size=60, min_frequency=1)
-    assert not cached(cfg, ["train", "validation"])
+    assert cached_vocabulary(cfg) is None
     assert prepare_apart(cfg, ["train", "validation"]) == []
-    assert cached(cfg, ["train", "validation"])
-    vocab = train_or_load_vocabulary(cfg)  # the child's, from the cache
+    vocab = cached_vocabulary(cfg)  # the child's
+    assert vocab is not None and encodings_cached(cfg, ["train", "validation"], vocab)
     read = {split: load_encoded(cfg, split, vocab) for split in ("train", "validation")}
     shared = os.environ["TFORMER_CACHE"]
     monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "own"))  # this process's own, made here
@@ -221,9 +222,9 @@ def test_a_child_process_fills_the_cache_with_what_this_process_would_have_made(
     folder.mkdir()
     vocab.save(folder)
     other = replace(cfg, max_length=4)
-    assert not cached(other, ["train"], folder)
+    assert not encodings_cached(other, ["train"], vocab)
     prepare_apart(other, ["train"], folder)
-    assert cached(other, ["train"], folder)
+    assert encodings_cached(other, ["train"], vocab)
 
 
 def test_the_child_process_errors_arrive_as_one_line_errors(tmp_path):

@@ -519,13 +519,16 @@ def _vocabulary_folder(cfg: DataConfig) -> Path:
     return cache_dir() / "tokenizers" / data_fingerprint(cfg, cfg.train_split, RECIPE)
 
 
-def cached(cfg: DataConfig, splits: Sequence[str], vocabulary: Path | None = None) -> bool:
-    """Whether the cache holds the vocabulary learned for ``cfg`` (or, given, the one in the folder
-    ``vocabulary``) and the encodings of ``splits`` with it."""
+def cached_vocabulary(cfg: DataConfig) -> Vocabulary | None:
+    """The vocabulary learned for ``cfg``, where the cache holds a readable one."""
     try:
-        vocab = Vocabulary.load(vocabulary or _vocabulary_folder(cfg))
+        return Vocabulary.load(_vocabulary_folder(cfg))
     except CheckpointError:
-        return False
+        return None
+
+
+def encodings_cached(cfg: DataConfig, splits: Sequence[str], vocab: Vocabulary) -> bool:
+    """Whether the cache holds the encodings of ``splits`` with ``vocab``."""
     return all(_encoded_path(cfg, split, vocab).is_file() for split in splits)
 
 
@@ -594,8 +597,8 @@ def _answer(send, function: Callable, args: tuple) -> None:
         send.send(answer)
     except OSError:  # the parent has stopped waiting: it was stopped itself
         pass
-    except Exception as exc:  # noqa: BLE001 - an exception that does not pickle: its first line
-        send.send((False, DataError(first_line(answer[1] if not answer[0] else exc))))
+    except Exception:  # noqa: BLE001 - an exception that does not pickle: its first line
+        send.send((False, DataError(first_line(answer[1]))))
 
 
 def _unwind(signum: int, frame: Any) -> None:

@@ -24,8 +24,8 @@ import torch
 from tformer_cli.accel import accelerate, build_kernels
 from tformer_cli.config import Config, TrainConfig
 from tformer_cli.data import (
-    EncodedSplit, cached, collate, load_encoded, prepare_apart, resegment, token_batches, train_or_load_vocabulary,
-    worth_preparing_apart)
+    EncodedSplit, cached_vocabulary, collate, encodings_cached, load_encoded, prepare_apart, resegment, token_batches,
+    train_or_load_vocabulary, worth_preparing_apart)
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError, first_line
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
@@ -145,14 +145,17 @@ class _Setup:
                 notify("warning", {"message": message})
 
         # the other processes, and a resumed run, take the vocabulary in the run folder (rank 0's)
-        vocabulary = self.run_dir if resume or not self.workers.main else None
+        from_run = resume or not self.workers.main
+        vocab = Vocabulary.load(self.run_dir) if from_run else cached_vocabulary(data)
         self.validates = data.validation_split is not None  # rank 0 validates; the others take its figures
         splits = [data.train_split, *([data.validation_split] if self.validates and self.workers.main else [])]
-        if worth_preparing_apart(data) and not cached(data, splits, vocabulary):  # this process reads the cache
-            notify("setup", {"message": "tokenising" if vocabulary else "learning the BPE vocabulary and tokenising"})
-            for message in prepare_apart(data, splits, vocabulary):
+        if worth_preparing_apart(data) and not (vocab is not None and encodings_cached(data, splits, vocab)):
+            # learnt and tokenised by a child process; this one reads the cache
+            learning = "" if vocab is not None else "learning the BPE vocabulary and "
+            notify("setup", {"message": f"{learning}tokenising"})
+            for message in prepare_apart(data, splits, self.run_dir if from_run else None):
                 warn(message)
-        self.vocab = Vocabulary.load(vocabulary) if vocabulary else train_or_load_vocabulary(data, warn)
+        self.vocab = vocab if vocab is not None else train_or_load_vocabulary(data, warn)
         self.train_data = load_encoded(data, data.train_split, self.vocab, warn)
         if len(self.train_data) == 0:
             raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
