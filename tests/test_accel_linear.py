@@ -173,3 +173,56 @@ def test_the_activation_is_fused_into_the_packed_call_and_matches_f_linear(activ
         torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
     x = torch.randn(5, 32, requires_grad=True)  # training: F.linear, then the activation
     torch.testing.assert_close(layer(x), reference(F.linear(x, layer.weight, layer.bias)))
+
+
+def _product_kernels_compiled(capfd, run) -> list[str]:
+    """The matrix-product kernels oneDNN compiles while ``run`` runs (its verbose log, level 'creation')."""
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+        run()
+    return [line for line in capfd.readouterr().out.splitlines()
+            if "cache_miss" in line and ("inner_product" in line or "matmul" in line)]
+
+
+@needs_packing
+def test_build_decoding_kernels_covers_every_row_count_up_to_the_batch(capfd):
+    # shapes no other test multiplies, so that no kernel an earlier test compiled can stand in for one
+    layers = torch.nn.Sequential(Linear(37, 211), Linear(211, 37, activation="relu"), Linear(37, 211))
+    assert linear.build_decoding_kernels(layers, 40) == 2 * 5  # two layer shapes, rows padded to 8, 16, ..., 40
+    assert not any("_packed" in layer.__dict__ for layer in layers)  # the build's packed copies are not kept
+
+    def decode_steps():  # a batch of 40 hypotheses, finishing one by one
+        with torch.inference_mode():
+            for n in range(40, 0, -1):
+                layers(torch.randn(n, 37))
+
+    assert _product_kernels_compiled(capfd, decode_steps) == []
+
+    def new_shape():
+        with torch.inference_mode():
+            Linear(37, 213)(torch.randn(17, 37))
+
+    assert _product_kernels_compiled(capfd, new_shape) != []  # where there is one, the log shows it
+
+
+@needs_packing
+@pytest.mark.parametrize("build", [False, True])
+def test_greedy_decoding_compiles_no_product_kernel_after_build_decoding_kernels(build, capfd, monkeypatch):
+    """Training builds them before its first step (train.py), so that its validations compile none
+    among the step's buffers."""
+    from conftest import tiny_model_config
+    from tformer_cli.accel import accelerate, gemm
+    from tformer_cli.decoding import DecodeOptions, decode_batch
+    from tformer_cli.model import build_model
+
+    monkeypatch.setattr(gemm, "pays_here", lambda: False)  # the encoder's large products stay on torch's BLAS
+    # model shapes of this test's own: a kernel compiled by an earlier test cannot stand in for one
+    d_model, d_ff, vocab = (40, 72, 53) if build else (24, 88, 47)
+    model = accelerate(build_model(tiny_model_config(d_model=d_model, d_ff=d_ff), vocab), "cpu").eval()
+    if build:
+        assert linear.build_decoding_kernels(model, 40) > 0
+    options = DecodeOptions(max_len_a=0, max_len_b=12)
+    # 40 and 18 sentences whose encoder products have over MAX_ROWS rows (not packed), as validation's do
+    batches = [torch.randint(4, vocab, (rows, -(-(linear.MAX_ROWS + 1) // rows))) for rows in (40, 18)]
+    compiled = _product_kernels_compiled(capfd, lambda: [decode_batch(model, src, options) for src in batches])
+    assert (compiled == []) == build, compiled[:3]

@@ -347,6 +347,21 @@ def test_a_run_on_data_not_yet_cached_reads_and_tokenises_it_in_a_child_process(
         assert setup == (["learning the BPE vocabulary and tokenising"] if prepared else [])
 
 
+def test_a_run_that_validates_by_decoding_builds_decodings_kernels_before_training(tmp_path, monkeypatch):
+    """Validation's decoding kernels are compiled before the first step (linear.build_decoding_kernels),
+    for the most hypotheses its greedy batches hold: the validation sentences, up to the batch size."""
+    from tformer_cli import train as train_module
+
+    calls = []
+    monkeypatch.setattr(train_module, "build_decoding_kernels",
+                        lambda model, rows: calls.append((type(model).__name__, rows)))
+    for name, train_cfg, decode in (("bleu", {}, {}), ("batch", {}, {"batch_size": 8}),
+                                    ("loss only", {"eval_bleu": False, "best_metric": "loss"}, {})):
+        path = write_config(tmp_path / f"{name}.yaml", train={"max_steps": 1, **train_cfg}, decode=decode)
+        train(load_config(path), tmp_path / name)
+    assert calls == [("Transformer", 20), ("Transformer", 8)]  # eval_max_sentences: 20; none without BLEU
+
+
 def test_building_the_kernels_before_training_changes_no_step(tmp_path, monkeypatch):
     """With products on oneDNN, training first compiles their kernels with a pass per batch shape
     (gemm.build_kernels): the run takes the steps a run without those passes takes."""

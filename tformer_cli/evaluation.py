@@ -115,16 +115,29 @@ def corpus_scores(hypotheses: list[str], references: list[str]) -> dict[str, flo
 def validation_bleu(model: torch.nn.Module, vocab, split: EncodedSplit, decode_cfg, max_sentences: int,
                     device: torch.device | str = "cpu") -> dict[str, float]:
     """Greedy-decode the first ``max_sentences`` validation pairs and score them against the raw targets."""
-    from tformer_cli.decoding import DecodeOptions, translate
+    from tformer_cli.decoding import translate
 
     was_training = model.training
     model.eval()
     pairs = split.pairs[:max_sentences]
-    options = DecodeOptions(beam_size=1, max_len_a=decode_cfg.max_len_a, max_len_b=decode_cfg.max_len_b)
+    options = _validation_search(decode_cfg)
     results = translate(model, vocab, [source for source, _ in pairs], options, decode_cfg.batch_size, device)
     model.train(was_training)
     scores = corpus_scores([r.outputs[0][0] for r in results], [target for _, target in pairs])
     return {key: scores[key] for key in ("bleu", "chrf", "exact_match")}
+
+
+def validation_rows(decode_cfg, sentences: int) -> int:
+    """The most hypotheses a step of ``validation_bleu`` decodes together, over ``sentences`` sentences."""
+    from tformer_cli.decoding import default_batch_size
+
+    return min(sentences, decode_cfg.batch_size or default_batch_size(_validation_search(decode_cfg)))
+
+
+def _validation_search(decode_cfg):
+    from tformer_cli.decoding import DecodeOptions
+
+    return DecodeOptions(beam_size=1, max_len_a=decode_cfg.max_len_a, max_len_b=decode_cfg.max_len_b)
 
 
 def evaluate_run(model: torch.nn.Module | Ensemble, vocab, data_cfg, split: str, options, batch_size: int | None,

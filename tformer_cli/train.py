@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tformer_cli.accel import accelerate, build_kernels
+from tformer_cli.accel import accelerate, build_decoding_kernels, build_kernels
 from tformer_cli.config import Config, TrainConfig
 from tformer_cli.data import (
     EncodedSplit, cached_vocabulary, collate, encodings_cached, load_encoded, prepare_apart, resegment, token_batches,
@@ -29,7 +29,7 @@ from tformer_cli.data import (
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError, first_line
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
-from tformer_cli.evaluation import Seq2SeqLoss, evaluate_loss, label_smoothed_loss
+from tformer_cli.evaluation import Seq2SeqLoss, evaluate_loss, label_smoothed_loss, validation_rows
 from tformer_cli.model import build_model
 from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
 from tformer_cli.parallel import (
@@ -325,12 +325,20 @@ def _batches(data: EncodedSplit, cfg: TrainConfig, epoch: int, workers: Workers)
 
 
 def _build_kernels(setup: _Setup, data: EncodedSplit, batches: list[list[int]]) -> None:
-    """Have the speed layer compile the matrix-product kernels of this epoch's batch shapes before the
-    first step, one pass of the objective per shape (``gemm.build_kernels`` says why; it does nothing
-    where products are not on oneDNN). Not under torch.compile or autocast, whose products are not
-    these, nor under FSDP, whose passes would be collectives."""
+    """Have the speed layer compile, before the first step, the matrix-product kernels that training
+    would otherwise build as it meets them: those of validation's decoding, on the process that
+    validates (``linear.build_decoding_kernels``), and those of this epoch's batch shapes, one pass of
+    the objective per shape (``gemm.build_kernels`` says why; it does nothing where products are not on
+    oneDNN). The latter not under torch.compile or autocast, whose products are not these, nor under
+    FSDP, whose passes would be collectives. Nothing is built off the CPU or without the speed layer."""
     cfg = setup.config.train
-    if cfg.compile or cfg.precision != "fp32" or setup.device.type != "cpu" or setup.sharded:
+    if setup.device.type != "cpu":
+        return
+    if setup.validates and setup.workers.main and _validates_bleu(cfg):
+        sentences = min(cfg.eval_max_sentences, len(setup.valid_data.pairs))
+        build_decoding_kernels(setup.replica if setup.sharded else setup.model,
+                               validation_rows(setup.config.decode, sentences))
+    if cfg.compile or cfg.precision != "fp32" or setup.sharded:
         return
     src, tgt = torch.tensor(data.src.lengths()), torch.tensor(data.tgt.lengths())
     shapes: dict[tuple[int, int, int], list[int]] = {}
@@ -488,11 +496,15 @@ def _validate(setup: _Setup, model: torch.nn.Module, step: int) -> dict[str, Any
     start = time.perf_counter()
     result = evaluate_loss(model, setup.valid_data, cfg.max_tokens, setup.device, cfg.batch_multiple)
     record: dict[str, Any] = {"step": step, "loss": result.loss, "ppl": result.perplexity}
-    if cfg.eval_bleu or cfg.best_metric == "bleu":
+    if _validates_bleu(cfg):
         record.update(validation_bleu(model, setup.vocab, setup.valid_data, setup.config.decode,
                                       cfg.eval_max_sentences, setup.device))
     record["seconds"] = time.perf_counter() - start
     return record
+
+
+def _validates_bleu(cfg: TrainConfig) -> bool:
+    return cfg.eval_bleu or cfg.best_metric == "bleu"
 
 
 def _checkpoint(setup: _Setup, notify: Callback) -> None:

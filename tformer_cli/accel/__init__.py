@@ -11,8 +11,9 @@ tested equal to the plain path (tests/test_accel*.py), and turned off by ``train
 - ``FastDropout`` (dropout.py): masks from SplitMix64 words instead of a Mersenne Twister per element;
 - ``CpuAttention`` (attention.py): each attention call to the fastest of torch's CPU kernels;
 - process settings (``tune_runtime``): glibc keeps freed buffers, oneDNN keeps more kernels;
-- before training, where products run on oneDNN, their kernels compiled side by side
-  (``build_kernels``, which the training loop calls);
+- before training, the kernels it would otherwise compile as it goes, side by side: those of
+  validation's decoding (``build_decoding_kernels``) and, where products run on oneDNN, those of the
+  training step (``build_kernels``); the training loop calls both;
 - with ``int8``, int8 linear layers for decoding (int8.py).
 
 On a GPU torch's own kernels are already the fast ones, and nothing is swapped.
@@ -31,7 +32,7 @@ from tformer_cli.accel.attention import CpuAttention
 from tformer_cli.accel.dropout import FastDropout
 from tformer_cli.accel.gemm import build_kernels
 from tformer_cli.accel.int8 import quantize_int8
-from tformer_cli.accel.linear import FastFeedForward, FastLinear
+from tformer_cli.accel.linear import FastFeedForward, FastLinear, build_decoding_kernels
 from tformer_cli.errors import UsageError
 from tformer_cli.model.attention import ScaledDotProductAttention
 from tformer_cli.model.layers import PositionwiseFeedForward

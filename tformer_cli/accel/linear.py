@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tformer_cli.accel import gemm
+from tformer_cli.accel import gemm, heap
 from tformer_cli.accel.ops import LINEAR_POINTWISE, REORDER_LINEAR_WEIGHT, native_on_cpu
 
 PACKING = LINEAR_POINTWISE is not None and REORDER_LINEAR_WEIGHT is not None
@@ -99,6 +99,36 @@ class FastLinear(nn.Linear):
             cache = (version, dtype, source, REORDER_LINEAR_WEIGHT(source.to(dtype), rows), bias)
             self._packed = cache
         return cache[3], cache[4]
+
+
+def build_decoding_kernels(model: nn.Module, max_rows: int) -> int:
+    """Compile now, side by side at the bottom of the heap, the kernels that decoding batches of up to
+    ``max_rows`` hypotheses would have oneDNN build as they meet each row count; returns how many
+    products were made (one per layer shape and padded row count).
+
+    Training validates by decoding, and each validation of a better model finishes sentences at other
+    steps, so meets row counts the last one did not: built then, their kernels (~0.6 MB each) land
+    between the training step's buffers and pin the heap around them, and a Multi30k run grew by tens
+    of MB at every validation (benchmarks/README.md, "Memory in real training"). Every layer shape is
+    multiplied once at every padded row count, with zeros; the packed copies made for it are dropped."""
+    layers: dict[tuple, FastLinear] = {}
+    for layer in model.modules():
+        if isinstance(layer, FastLinear):
+            layers.setdefault((layer.in_features, layer.out_features, layer.bias is not None, layer.activation), layer)
+    if not PACKING or not layers or max_rows < 1:
+        return 0
+    # largest first: the weight is packed for the first row count it meets, as decoding's first, full, batch
+    sizes = sorted({_padded_rows(n) for n in range(1, min(max_rows, MAX_ROWS) + 1)}, reverse=True)
+    built = 0
+    with torch.no_grad(), heap.compact():
+        for layer in layers.values():
+            if not layer.weight.is_cpu or layer.weight.dtype != torch.float32:
+                continue
+            for rows in sizes:
+                layer(layer.weight.new_zeros(rows, layer.in_features))
+                built += 1
+            layer.__dict__.pop("_packed", None)  # made for the build; decoding packs the weights it has then
+    return built
 
 
 def _padded_rows(n: int) -> int:
