@@ -108,15 +108,16 @@ def build_decoding_kernels(model: nn.Module, max_rows: int) -> int:
 
     Training validates by decoding, and each validation of a better model finishes sentences at other
     steps, so meets row counts the last one did not: built then, their kernels (~0.6 MB each) land
-    between the training step's buffers and pin the heap around them, and a Multi30k run grew by tens
-    of MB at every validation (benchmarks/README.md, "Memory in real training"). Every layer shape is
-    multiplied once at every padded row count, with zeros; the packed copies made for it are dropped."""
-    layers: dict[tuple, FastLinear] = {}
+    between the training step's buffers and pin the heap around them. A Multi30k run validating every
+    150 steps grew at every validation to 1,434 MiB; with this build first it stayed at 1,225-1,249
+    (benchmarks/README.md, "Validation's decoding kernels built before training"). Every layer shape
+    is multiplied once at every padded row count, with zeros; the packed copies made for it are dropped."""
+    if not PACKING or max_rows < 1:
+        return 0
+    layers: dict[tuple, FastLinear] = {}  # one layer of each shape: oneDNN's kernels are per shape
     for layer in model.modules():
         if isinstance(layer, FastLinear):
             layers.setdefault((layer.in_features, layer.out_features, layer.bias is not None, layer.activation), layer)
-    if not PACKING or not layers or max_rows < 1:
-        return 0
     # largest first: the weight is packed for the first row count it meets, as decoding's first, full, batch
     sizes = sorted({_padded_rows(n) for n in range(1, min(max_rows, MAX_ROWS) + 1)}, reverse=True)
     built = 0
