@@ -15,14 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tformer_cli.accel import accelerate, build_decoding_kernels, build_kernels
-from tformer_cli.config import Config, TrainConfig
+from tformer_cli.config import Config, DecodeConfig, TrainConfig
 from tformer_cli.data import (
     EncodedSplit, cached_vocabulary, collate, encodings_cached, load_encoded, prepare_apart, resegment, token_batches,
     train_or_load_vocabulary, worth_preparing_apart)
@@ -352,7 +352,11 @@ def _build_kernels(setup: _Setup, data: EncodedSplit, batches: list[list[int]]) 
         loss, _ = objective(collate(data, ids).to(setup.device))
         torch.autograd.grad(loss, params, allow_unused=True)
 
-    build_kernels(functools.partial(one_pass, ids) for ids in shapes.values())
+    passes = [functools.partial(one_pass, ids) for ids in shapes.values()]
+    if setup.validates and setup.workers.main:  # validation's loss, and its decoding's encoder: one token decoded
+        one_token = replace(setup.config.decode, max_len_a=0.0, max_len_b=1)
+        passes.append(functools.partial(_validate, setup, setup.model, setup.state.step, one_token))
+    build_kernels(passes)
 
 
 def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
@@ -489,7 +493,7 @@ def _evaluate(setup: _Setup, state: TrainState, notify: Callback) -> dict[str, A
     return record
 
 
-def _validate(setup: _Setup, model: torch.nn.Module, step: int) -> dict[str, Any]:
+def _validate(setup: _Setup, model: torch.nn.Module, step: int, decode: DecodeConfig | None = None) -> dict[str, Any]:
     from tformer_cli.evaluation import validation_bleu
 
     cfg = setup.config.train
@@ -497,7 +501,7 @@ def _validate(setup: _Setup, model: torch.nn.Module, step: int) -> dict[str, Any
     result = evaluate_loss(model, setup.valid_data, cfg.max_tokens, setup.device, cfg.batch_multiple)
     record: dict[str, Any] = {"step": step, "loss": result.loss, "ppl": result.perplexity}
     if _validates_bleu(cfg):
-        record.update(validation_bleu(model, setup.vocab, setup.valid_data, setup.config.decode,
+        record.update(validation_bleu(model, setup.vocab, setup.valid_data, decode or setup.config.decode,
                                       cfg.eval_max_sentences, setup.device))
     record["seconds"] = time.perf_counter() - start
     return record
