@@ -362,6 +362,34 @@ def test_a_run_that_validates_by_decoding_builds_decodings_kernels_before_traini
     assert calls == [("Transformer", 20), ("Transformer", 8)]  # eval_max_sentences: 20; none without BLEU
 
 
+def test_with_products_on_onednn_a_run_compiles_no_kernel_after_its_build(tmp_path, monkeypatch, capfd):
+    """The build's passes cover the epoch's steps and validation (its loss and its decoding), and
+    decoding's row counts are built too: nothing is left to compile among the steps' buffers. Read
+    from oneDNN's verbose log, after a mark that the build writes when it ends."""
+    from tformer_cli import train as train_module
+    from tformer_cli.accel import gemm, linear
+
+    if gemm.LINEAR_POINTWISE is None or not linear.PACKING:
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(gemm, "pays_here", lambda: True)
+    monkeypatch.setattr(gemm, "MIN_PRODUCT", 0)
+    build = train_module.build_kernels
+    monkeypatch.setattr(train_module, "build_kernels", lambda passes: (build(passes), os.write(1, b"BUILT\n"))[0])
+    # d_model 24: shapes of this test's own, so that no kernel an earlier test compiled can stand in
+    path = write_config(tmp_path / "v.yaml", model={"d_model": 24, "d_ff": 40},
+                        train={"max_steps": 4, "eval_every": 2})
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+        train(load_config(path), tmp_path / "run")
+    gemm.enable(False)
+    log = capfd.readouterr().out
+    assert "BUILT" in log
+    before, after = log.split("BUILT", 1)
+    compiled = [line for line in after.splitlines()
+                if "cache_miss" in line and ("inner_product" in line or "matmul" in line)]
+    assert "cache_miss" in before and compiled == [], compiled[:3]
+
+
 def test_building_the_kernels_before_training_changes_no_step(tmp_path, monkeypatch):
     """With products on oneDNN, training first compiles their kernels with a pass per batch shape
     (gemm.build_kernels): the run takes the steps a run without those passes takes."""
