@@ -327,10 +327,11 @@ def _batches(data: EncodedSplit, cfg: TrainConfig, epoch: int, workers: Workers)
 def _build_kernels(setup: _Setup, data: EncodedSplit, batches: list[list[int]]) -> None:
     """Have the speed layer compile, before the first step, the matrix-product kernels that training
     would otherwise build as it meets them: those of validation's decoding, on the process that
-    validates (``linear.build_decoding_kernels``), and those of this epoch's batch shapes and of one
-    validation, one pass of the objective per shape and one of validation (``gemm.build_kernels`` says
-    why; it does nothing where products are not on oneDNN). The latter not under torch.compile or autocast, whose products are not these, nor under
-    FSDP, whose passes would be collectives. Nothing is built off the CPU or without the speed layer."""
+    validates (``linear.build_decoding_kernels``); then those of this epoch's batch shapes and of
+    validation, one pass of the objective per shape and one validation (``gemm.build_kernels`` says
+    why; it does nothing where products are not on oneDNN). The latter not under torch.compile or
+    autocast, whose products are not these, nor under FSDP, whose passes would be collectives.
+    Nothing is built off the CPU or without the speed layer."""
     cfg = setup.config.train
     if setup.device.type != "cpu":
         return
