@@ -374,7 +374,13 @@ def test_with_products_on_onednn_a_run_compiles_no_kernel_after_its_build(tmp_pa
     monkeypatch.setattr(gemm, "pays_here", lambda: True)
     monkeypatch.setattr(gemm, "MIN_PRODUCT", 0)
     build = train_module.build_kernels
-    monkeypatch.setattr(train_module, "build_kernels", lambda passes: (build(passes), os.write(1, b"BUILT\n"))[0])
+
+    def build_then_mark(passes):
+        built = build(passes)
+        os.write(1, b"BUILT\n")  # where the log of what training compiles after its build starts
+        return built
+
+    monkeypatch.setattr(train_module, "build_kernels", build_then_mark)
     # d_model 24: shapes of this test's own, so that no kernel an earlier test compiled can stand in
     path = write_config(tmp_path / "v.yaml", model={"d_model": 24, "d_ff": 40},
                         train={"max_steps": 4, "eval_every": 2})

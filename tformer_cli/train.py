@@ -335,7 +335,8 @@ def _build_kernels(setup: _Setup, data: EncodedSplit, batches: list[list[int]]) 
     cfg = setup.config.train
     if setup.device.type != "cpu":
         return
-    if setup.validates and setup.workers.main and _validates_bleu(cfg):
+    validating = setup.validates and setup.workers.main
+    if validating and _validates_bleu(cfg):
         sentences = min(cfg.eval_max_sentences, len(setup.valid_data.pairs))
         build_decoding_kernels(setup.replica if setup.sharded else setup.model,
                                validation_rows(setup.config.decode, sentences))
@@ -354,7 +355,7 @@ def _build_kernels(setup: _Setup, data: EncodedSplit, batches: list[list[int]]) 
         torch.autograd.grad(loss, params, allow_unused=True)
 
     passes = [functools.partial(one_pass, ids) for ids in shapes.values()]
-    if setup.validates and setup.workers.main:  # validation's loss, and its decoding's encoder: one token decoded
+    if validating:  # validation's loss, and its decoding's encoder: one token decoded
         one_token = replace(setup.config.decode, max_len_a=0.0, max_len_b=1)
         passes.append(functools.partial(_validate, setup, setup.model, setup.state.step, one_token))
     build_kernels(passes)

@@ -122,9 +122,7 @@ def build_decoding_kernels(model: nn.Module, max_rows: int) -> int:
     sizes = sorted({_padded_rows(n) for n in range(1, min(max_rows, MAX_ROWS) + 1)}, reverse=True)
     built = 0
     with torch.no_grad(), heap.compact():
-        for layer in layers.values():
-            if not layer.weight.is_cpu or layer.weight.dtype != torch.float32:
-                continue
+        for layer in layers.values():  # each call packs or not as decoding's would (``forward``)
             for rows in sizes:
                 layer(layer.weight.new_zeros(rows, layer.in_features))
                 built += 1
