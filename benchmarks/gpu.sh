@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU figure the docs report, on one CUDA machine, all at once or a step at a time:
 #
-#   bash benchmarks/gpu.sh [STEP...]        steps: tests syncs suite paper train (default: all, ~25 min on an H100)
+#   bash benchmarks/gpu.sh [STEP...]        steps: tests syncs profile suite paper train (default: all, ~27 min on an H100)
 #                                           paper-train and paper-decode: paper's two halves, for time-limited calls
 #
 # tests   the CUDA tests: kernels against the explicit path, CUDA against the CPU, autocast training,
 #         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one
+# profile where a paper-scale base step's GPU time goes (benchmarks/profile_step.py): eager and compiled
+#         training, a greedy decoding batch; kernel time by kind, how busy the GPU is
 # suite   the suite (`benchmarks/run.py --device cuda`: every peer, CTranslate2 among the decoders)
 # paper   `--scale paper`: base and big at ~25,000 target tokens a step, tformer with train.compile
 #         beside it (the GPU default if it wins): paper-train; decoding 3,000 sentences: paper-decode.
@@ -52,6 +54,10 @@ paper-decode() {
         --json "$RESULTS/paper-decode-${SIZES/,/-}.json" --peers marian,ct2,ct2-int8 --repeats 3 --warmup 1
 }
 paper() { paper-train; paper-decode; }
+
+profile() {
+    "$PYTHON" benchmarks/profile_step.py --device cuda
+}
 
 syncs() {
     "$PYTHON" - "$RESULTS/syncs-run" <<'EOF'
@@ -106,12 +112,12 @@ for key in ("tokens_per_s", "tflops", "mfu"):
 EOF
 }
 
-for step in "${@:-tests syncs suite paper train}"; do
+for step in "${@:-tests syncs profile suite paper train}"; do
     for one in $step; do
         case $one in
-            tests|syncs|suite|paper|paper-train|paper-decode|train)
+            tests|syncs|profile|suite|paper|paper-train|paper-decode|train)
                 echo "== $one $(date -u +%H:%M:%S)"; $one 2>&1 | tee "$RESULTS/$one.log" ;;
-            *) echo "unknown step $one: choose from tests syncs suite paper paper-train paper-decode train" >&2; exit 2 ;;
+            *) echo "unknown step $one: choose from tests syncs profile suite paper paper-train paper-decode train" >&2; exit 2 ;;
         esac
     done
 done

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from conftest import tiny_model_config, write_config
 from tformer_cli.config import load_config
 from tformer_cli.decoding import DecodeOptions, beam_search, greedy_or_sample
+import tformer_cli.loss as loss_module
+from tformer_cli.accel import fused_loss
 from tformer_cli.loss import _log_softmax_, linear_smoothed_cross_entropy
 from tformer_cli.model import build_model
 from tformer_cli.model.attention import padding_mask, scaled_dot_product_attention
@@ -34,7 +36,9 @@ def test_log_softmax_written_over_its_input_on_cuda(columns):
     torch.testing.assert_close(_log_softmax_(logits), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_fused_loss_on_cuda_equals_cross_entropy():
+@pytest.mark.parametrize("fused", [False, True])  # the speed layer's compiled terms (accel/fused_loss.py)
+def test_fused_loss_on_cuda_equals_cross_entropy(fused, monkeypatch):
+    monkeypatch.setattr(fused_loss, "_enabled", fused)
     hidden = torch.randn(300, 64, device="cuda", requires_grad=True)
     weight = (torch.randn(5003, 64, device="cuda") * 0.1).requires_grad_()
     target = torch.randint(0, 5003, (300,), device="cuda")
@@ -46,6 +50,27 @@ def test_fused_loss_on_cuda_equals_cross_entropy():
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=1e-3, atol=1e-3)  # TF32 products where enabled
     torch.testing.assert_close(ours, (hidden.grad, weight.grad), rtol=1e-3, atol=1e-3)
+    assert fused_loss._enabled is fused  # compiled, not fallen back to the plain path
+
+
+def test_under_bf16_autocast_on_cuda_the_fused_loss_stays_near_the_plain_one(monkeypatch):
+    monkeypatch.setattr(loss_module, "GPU_CHUNK_TOKENS", 512)  # several chunks and a partial last one
+    hidden = torch.randn(1300, 64, device="cuda", requires_grad=True)
+    weight = (torch.randn(5003, 64, device="cuda") * 0.1).requires_grad_()
+    target = torch.randint(0, 5003, (1300,), device="cuda")
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(fused_loss, "_enabled", fused)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, nll = linear_smoothed_cross_entropy(hidden, weight, target, 0.1)
+        loss.backward()
+        results.append((loss.detach(), nll, hidden.grad, weight.grad))
+        hidden.grad = weight.grad = None
+    (plain_loss, plain_nll, *plain_grads), (loss, nll, *grads) = results
+    assert fused_loss._enabled
+    torch.testing.assert_close((loss, nll), (plain_loss, plain_nll), rtol=2e-3, atol=0)
+    for ours, plain in zip(grads, plain_grads):
+        assert (ours - plain).norm() < 0.02 * plain.norm()
 
 
 def test_cuda_model_matches_cpu_and_cached_decoding_matches():

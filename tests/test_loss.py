@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import tformer_cli.loss as loss_module
+from tformer_cli.accel import fused_loss
 from tformer_cli.loss import linear_smoothed_cross_entropy
 
 
@@ -122,3 +123,103 @@ def test_on_a_cpu_every_product_has_a_multiple_of_64_rows(monkeypatch):
         loss.backward()
         assert hidden.grad.shape == (n, 8)
     assert seen and all(rows % loss_module.ROW_MULTIPLE == 0 for rows in seen)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_fused_gpu_terms_equal_cross_entropy_on_logits(smoothing, dtype):
+    logits = (torch.randn(23, 301, dtype=torch.float64) * 3).to(dtype)
+    target = torch.randint(0, 301, (23,))
+    loss, nll, grad = fused_loss.smoothed_terms(logits, target[:, None], smoothing)
+    x = logits.double().requires_grad_()
+    expected = F.cross_entropy(x, target, label_smoothing=smoothing, reduction="sum")
+    expected.backward()
+    assert grad.dtype == dtype and loss.dtype == torch.promote_types(dtype, torch.float32)
+    exact = dtype != torch.bfloat16  # bf16: only the gradient is rounded, to bf16
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(nll.double(), F.cross_entropy(x.detach(), target, reduction="sum"), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grad.double(), x.grad, rtol=1e-6 if exact else 1e-2, atol=1e-7 if exact else 1e-3)
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """The fused GPU terms applied on the CPU, uncompiled (the CUDA tests run them compiled)."""
+    monkeypatch.setattr(fused_loss, "_enabled", True)
+    monkeypatch.setattr(fused_loss, "applies", lambda logits: fused_loss._enabled)
+    monkeypatch.setattr(fused_loss, "_compiled", fused_loss.smoothed_terms)
+
+
+@pytest.mark.parametrize("chunk", [4, 1024])
+def test_the_loss_with_the_fused_terms_equals_the_plain_loss(chunk, monkeypatch, fused_on_cpu):
+    monkeypatch.setattr(loss_module, "CHUNK_TOKENS", chunk)
+    hidden = torch.randn(19, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 50, (19,))
+    used = []
+    monkeypatch.setattr(fused_loss, "_compiled", lambda *args: used.append(1) or fused_loss.smoothed_terms(*args))
+    loss, nll = linear_smoothed_cross_entropy(hidden, weight, target, 0.1)
+    loss.backward()
+    assert len(used) == -(-19 // chunk)  # every chunk
+    logits = hidden.detach().requires_grad_() @ weight.detach().requires_grad_().T
+    x = logits.detach().requires_grad_()
+    expected = F.cross_entropy(x, target, label_smoothing=0.1, reduction="sum")
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(hidden.grad, x.grad @ weight.detach())
+    torch.testing.assert_close(weight.grad, x.grad.T @ hidden.detach())
+
+
+def test_under_bf16_autocast_the_fused_terms_stay_near_fp32(fused_on_cpu):
+    hidden = torch.randn(40, 32, requires_grad=True)
+    weight = torch.randn(300, 32, requires_grad=True)
+    target = torch.randint(0, 300, (40,))
+    expected = F.cross_entropy(hidden @ weight.T, target, label_smoothing=0.1, reduction="sum")
+    expected.backward()
+    reference = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = linear_smoothed_cross_entropy(hidden, weight, target, 0.1)
+    loss.backward()
+    assert loss.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=2e-2, atol=0)
+    for ours, ref in zip((hidden.grad, weight.grad), reference):
+        assert (ours - ref).norm() < 0.05 * ref.norm()
+
+
+def test_where_the_fused_terms_do_not_compile_the_loss_warns_once_and_stays_right(monkeypatch, fused_on_cpu):
+    def no_compiler(*args):
+        raise RuntimeError("no C++ compiler\nmore detail")
+
+    monkeypatch.setattr(fused_loss, "_compiled", no_compiler)
+    hidden = torch.randn(9, 8, dtype=torch.float64)
+    weight = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 20, (9,))
+    with pytest.warns(UserWarning, match="did not compile .RuntimeError: no C.. compiler.; the loss runs on the plain"):
+        loss, _ = linear_smoothed_cross_entropy(hidden, weight, target, 0.1)
+    assert not fused_loss._enabled  # once: the plain path from then on
+    torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.detach().T, target, label_smoothing=0.1,
+                                                     reduction="sum"))
+
+
+def test_accelerate_turns_the_fused_loss_on_for_cuda_models_in_mode_auto(monkeypatch):
+    from tformer_cli.accel import accelerate
+
+    monkeypatch.setattr(fused_loss, "_enabled", False)
+    model = torch.nn.Linear(2, 2)  # nothing to swap; on "cuda" accelerate only sets switches
+    for device, mode, skip, on in [("cuda", "auto", (), True), ("cuda", "off", (), False), ("cuda", "auto", (), True),
+                                   ("cuda", "auto", ("loss",), False), ("cuda", "auto", (), True),
+                                   ("cpu", "auto", ("runtime",), False)]:
+        accelerate(model, device, mode, skip)
+        assert fused_loss._enabled is on, (device, mode, skip)
+
+
+@pytest.mark.slow  # torch.compile with inductor's C++ backend: ~10 s
+def test_the_compiled_fused_terms_equal_the_uncompiled_ones(monkeypatch):
+    monkeypatch.setattr(fused_loss, "_compiled", None)
+    for n, dtype in [(37, torch.float32), (100, torch.float32), (37, torch.bfloat16)]:  # dynamic rows, two dtypes
+        logits, target = (torch.randn(n, 301) * 3).to(dtype), torch.randint(0, 301, (n, 1))
+        with pytest.WarningsRecorder() as caught:
+            compiled = fused_loss.fused_smoothed_terms(logits, target, 0.1)
+        assert compiled is not None and not [w for w in caught if "did not compile" in str(w.message)]
+        for ours, plain in zip(compiled, fused_loss.smoothed_terms(logits, target, 0.1)):
+            torch.testing.assert_close(ours, plain)

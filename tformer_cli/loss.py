@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tformer_cli.accel import gemm, ops
+from tformer_cli.accel import fused_loss, gemm, ops
 
 CHUNK_TOKENS = 512  # on CPU: larger chunks were no faster and hold more logits (benchmarks/README.md)
 # On a CPU a chunk's rows are padded with zeros to a multiple of this: oneDNN compiles and keeps a
@@ -50,14 +50,16 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         chunk = CHUNK_TOKENS if hidden.device.type == "cpu" else GPU_CHUNK_TOKENS
         chunk = chunk // 2 if rdrop else chunk  # both passes' rows of a chunk are projected together
         multiple = ROW_MULTIPLE if hidden.device.type == "cpu" else 1
+        want_grad = grad_hidden is not None or grad_weight is not None
+        # on a GPU the speed layer computes a chunk's terms from the product's own logits in two passes
+        fused = want_grad and not rdrop and fused_loss.applies(hidden)
         # torch's products write every chunk's logits into one buffer (a new one per chunk is slower on a
         # CPU); oneDNN's have no out= form, and each chunk's are freed before the next
-        buffer = None if gemm.onednn_applies(hidden, weight) else \
+        buffer = None if fused or gemm.onednn_applies(hidden, weight) else \
             hidden.new_empty((_round_up(min(n, chunk) * (2 if rdrop else 1), multiple), weight.shape[0]),
                              dtype=accumulate)
         if not rdrop:  # the mean logit of a row is h . mean_weight
             mean_weight = weight.to(accumulate).mean(dim=0, keepdim=True).T  # (d, 1)
-        want_grad = grad_hidden is not None or grad_weight is not None
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             rows = [slice(start, stop), slice(n + start, n + stop)] if rdrop else [slice(start, stop)]
@@ -66,9 +68,13 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
             h = _zero_rows_to(h, _round_up(m, multiple))  # few distinct product shapes (ROW_MULTIPLE)
             padded_logits = _project(h, w, buffer)  # (rows, V)
             logits, t = padded_logits[:m], target[rows[0], None]
-            if rdrop:
+            terms = fused_loss.fused_smoothed_terms(logits, t, smoothing) if fused else None
+            if terms is not None:
+                chunk_loss, chunk_nll, grad = terms
+            elif rdrop:
                 chunk_loss, chunk_nll, grad = _rdrop_logit_grad(logits, t, smoothing, rdrop, want_grad)
             else:
+                logits = logits.to(accumulate)  # already fp32, except where the fused terms did not compile
                 mean_logit = h[:m].to(accumulate) @ mean_weight  # (rows, 1)
                 chunk_loss, chunk_nll, grad = _smoothed_logit_grad(logits, t, mean_logit, smoothing, want_grad)
             loss += chunk_loss

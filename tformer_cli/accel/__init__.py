@@ -16,7 +16,8 @@ tested equal to the plain path (tests/test_accel*.py), and turned off by ``train
   training step (``build_kernels``); the training loop calls both;
 - with ``int8``, int8 linear layers for decoding (int8.py).
 
-On a GPU torch's own kernels are already the fast ones, and nothing is swapped.
+On a GPU torch's own kernels are the fast ones and nothing is swapped; the fused loss computes its
+softmax and logit gradient in one compiled pass instead of several (fused_loss.py).
 What each piece buys, measured: benchmarks/README.md.
 """
 
@@ -27,7 +28,7 @@ import os
 import torch
 from torch import nn
 
-from tformer_cli.accel import gemm, heap
+from tformer_cli.accel import fused_loss, gemm, heap
 from tformer_cli.accel.attention import CpuAttention
 from tformer_cli.accel.dropout import FastDropout
 from tformer_cli.accel.gemm import build_kernels
@@ -38,7 +39,8 @@ from tformer_cli.model.attention import ScaledDotProductAttention
 from tformer_cli.model.layers import PositionwiseFeedForward
 
 MODES = ("auto", "off")
-PIECES = ("linear", "gemm", "dropout", "attention", "runtime")  # what ``skip`` may leave out, to measure each
+PIECES = ("linear", "gemm", "dropout", "attention", "runtime", "loss")  # what ``skip`` may leave out, to measure each
+CUDA_PIECES = ("loss",)  # the pieces that act on a GPU; the others act on a CPU
 ONEDNN_CACHE_CAPACITY = 4096  # a bf16 Multi30k run used ~1,700; each kernel holds ~0.5-2.5 MB
 
 
@@ -64,6 +66,7 @@ def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
         skip = (*skip, "linear")
     on_cpu = torch.device(device).type == "cpu" and mode == "auto"
     gemm.enable(on_cpu and "gemm" not in skip and gemm.pays_here())
+    fused_loss.enable(torch.device(device).type == "cuda" and mode == "auto" and "loss" not in skip)
     if on_cpu:
         if "runtime" not in skip:
             tune_runtime()

@@ -1,0 +1,137 @@
+"""Where a step's time goes: tformer's paper-scale training step (eager and compiled) and a greedy
+decoding batch, under torch's profiler.
+
+    python benchmarks/profile_step.py --device cuda                 # base, ~25,000 target tokens a step
+    python benchmarks/profile_step.py --device cpu --size small --tokens 2000   # a quick look on a CPU
+
+Training is profiled three ways: eager, eager with the loss's GPU piece of the speed layer left out
+(``--accel-skip loss``), and compiled. For each it prints the wall time a step, the device's kernel time a step and their ratio
+(how busy the device is: well under 1 means it waits for the host), the kernel time by kind (matrix
+products, attention, the loss, elementwise and normalisation, the optimizer), and the ten costliest
+operators. Training runs the suite's paper-scale batches (``systems.paper_batches``) under bf16
+autocast on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections import Counter
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import systems  # noqa: E402
+
+# kernel name -> kind, first match wins (cuBLAS/CUTLASS products, torch's attention kernels, ...)
+KINDS = [
+    ("attention", r"flash|fmha|attention|efficient_attention|mem_eff|sdpa"),
+    ("matmul", r"gemm|cutlass|cublas|nvjet|sm90_xmma|wgmma|addmm|\bb?mm\b|matmul|linear"),
+    ("loss", r"softmax|scatter|gather|nll|cross_entropy"),
+    ("optimizer", r"adam|foreach|multi_tensor"),
+    ("norm", r"layer_norm|layernorm|norm"),
+    ("dropout", r"dropout|bernoulli|philox|rand"),
+]
+
+
+def kind(name: str) -> str:
+    lowered = name.lower()
+    return next((k for k, pattern in KINDS if re.search(pattern, lowered)), "elementwise / other")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(label: str, step, device: torch.device, steps: int, warmup: int) -> None:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    wall = (time.perf_counter() - start) / steps
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    if device.type == "cuda":  # kernels: the events that ran on the device
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        duration = lambda e: e.device_time  # noqa: E731 (microseconds)
+    else:  # each operator's own time, its children's left out
+        kernels = list(prof.events())
+        duration = lambda e: e.self_cpu_time_total  # noqa: E731
+    by_kind, by_name = Counter(), Counter()
+    for e in kernels:
+        by_kind[kind(e.name)] += duration(e)
+        by_name[e.name[:90]] += duration(e)
+    busy = sum(by_kind.values()) / steps / 1e6
+    what = "kernels" if device.type == "cuda" else "operators"
+    print(f"\n== {label}: {wall * 1e3:,.1f} ms a step (wall), {busy * 1e3:,.1f} ms of {what} "
+          f"({busy / wall:.0%} busy), {len(kernels) / steps:,.0f} {what} a step")
+    total = sum(by_kind.values())
+    for name, us in by_kind.most_common():
+        print(f"   {us / steps / 1e3:8.2f} ms  {us / total:5.1%}  {name}")
+    print("   costliest:")
+    for name, us in by_name.most_common(10):
+        print(f"   {us / steps / 1e3:8.2f} ms  {us / total:5.1%}  {name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", default="base", choices=sorted(systems.SIZES))
+    parser.add_argument("--tokens", type=int, default=25_000, help="target tokens a training step")
+    parser.add_argument("--steps", type=int, default=6, help="different batches, each profiled once")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled training step")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    size = systems.SIZES[args.size]
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else nullcontext
+    batches = systems.paper_batches(size, args.tokens, args.steps, device)
+    print(f"{size.name} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch "
+          f"{torch.__version__}: {len(batches)} batches, {sum(b.target_tokens for b in batches) // len(batches):,} "
+          "target tokens each on average")
+    systems.ACCEL_SKIP = ()
+    decoder = systems.Tformer(size, device)
+    sources = systems.paper_sources(size, 3000, 8192, device)  # the paper-scale decoding workload's batches
+    src, new_tokens = sources[len(sources) // 2]  # one of middling length
+
+    def greedy():
+        with autocast(), torch.no_grad():
+            decoder.greedy(src, new_tokens)
+
+    measure(f"greedy, {src.shape[0]} sources of {src.shape[1]} tokens, {new_tokens} new tokens", greedy, device,
+            steps=2, warmup=1)
+    del decoder
+    variants = [("train, eager", systems.Tformer, ()), ("train, eager, the loss unfused", systems.Tformer, ("loss",))]
+    if not args.no_compile:
+        variants.append(("train, compiled (train.compile)", systems.TformerCompiled, ()))
+    for label, system_class, skip in variants:
+        systems.ACCEL_SKIP = skip  # speed-layer pieces left out (the fused loss is a GPU piece)
+        system = system_class(size, device)
+        turn = iter(range(10**9))
+
+        def train_step(system=system, turn=turn):
+            with autocast():
+                system.train_step(batches[next(turn) % len(batches)])
+
+        try:
+            measure(label, train_step, device, len(batches), warmup=2 * len(batches))
+        except Exception as error:  # noqa: BLE001 (a variant that fails on this torch does not stop the rest)
+            print(f"\n== {label}: failed: {type(error).__name__}: {str(error).splitlines()[0]}")
+        del system
+
+
+if __name__ == "__main__":
+    main()
