@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--size", default="base", choices=sorted(systems.SIZES))
     parser.add_argument("--tokens", type=int, default=25_000, help="target tokens a training step")
     parser.add_argument("--steps", type=int, default=6, help="different batches, each profiled once")
+    parser.add_argument("--sentences", type=int, default=3000, help="the decoding test set, batched as --scale paper does")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled training step")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -104,7 +105,7 @@ def main() -> None:
           "target tokens each on average")
     systems.ACCEL_SKIP = ()
     decoder = systems.Tformer(size, device)
-    sources = systems.paper_sources(size, 3000, 8192, device)  # the paper-scale decoding workload's batches
+    sources = systems.paper_sources(size, args.sentences, 8192, device)  # the paper-scale decoding workload's
     src, new_tokens = sources[len(sources) // 2]  # one of middling length
 
     def greedy():
