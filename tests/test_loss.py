@@ -223,3 +223,20 @@ def test_the_compiled_fused_terms_equal_the_uncompiled_ones(monkeypatch):
         assert compiled is not None and not [w for w in caught if "did not compile" in str(w.message)]
         for ours, plain in zip(compiled, fused_loss.smoothed_terms(logits, target, 0.1)):
             torch.testing.assert_close(ours, plain)
+
+
+@pytest.mark.slow  # torch.compile: ~15 s
+def test_under_train_compile_the_fused_terms_are_traced_into_the_compiled_loss(monkeypatch, fused_on_cpu):
+    monkeypatch.setattr(fused_loss, "_compiled", None)  # inside a compiled loss no compiled function of its own
+    hidden = torch.randn(19, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    target = torch.randint(0, 50, (19,))
+    loss, _ = torch.compile(linear_smoothed_cross_entropy, dynamic=True)(hidden, weight, target, 0.1)
+    loss.backward()
+    assert fused_loss._compiled is None and fused_loss._enabled
+    x = (hidden.detach() @ weight.detach().T).requires_grad_()
+    expected = F.cross_entropy(x, target, label_smoothing=0.1, reduction="sum")
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(hidden.grad, x.grad @ weight.detach())
+    torch.testing.assert_close(weight.grad, x.grad.T @ hidden.detach())
