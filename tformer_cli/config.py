@@ -93,7 +93,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when available
     # fp32, or bf16 / fp16 autocast (bf16 on CPUs with AVX-512 BF16 or AMX)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    compile: bool = False  # torch.compile the loss and model (1.05× on an H100 after ~2 min of compiling; slower on CPUs)
+    compile: bool = False  # torch.compile the loss and model (H100: 1.05× after ~2 min compiling; CPUs: slower)
     accel: Literal["auto", "off"] = "auto"  # the speed layer (tformer_cli/accel): auto where it pays, off: plain
     parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (ddp), or shard it (fsdp)
     tensorboard: bool = False  # also log the figures to RUN/tensorboard/ (pip install 'tformer[tensorboard]')

@@ -215,19 +215,20 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     if slow:
         notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
     scaler = setup.scaler
-    steps_per_epoch = math.ceil(len(_batches(data, cfg, 0, workers)) / cfg.grad_accum)
+    batches = _batches(data, cfg, state.epoch, workers)  # this epoch's (seconds on a WMT-sized corpus)
+    first_epoch = batches if state.epoch == 0 else _batches(data, cfg, 0, workers)
+    steps_per_epoch = math.ceil(len(first_epoch) / cfg.grad_accum)
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, total_steps))
     flops = _model_flops(setup, data, None if slow else matmul_peak(device, cfg.precision))
     with signals.during_setup():  # set-up: a signal stops it at once, and the clocks start after it
-        _build_kernels(setup, data, _batches(data, cfg, state.epoch, workers))
+        _build_kernels(setup, data, batches)
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
     trainer = setup.trainer.train()
     with signals.between_steps():
         while stop_reason is None:
-            batches = _batches(data, cfg, state.epoch, workers)
             while state.batch_in_epoch < len(batches) and stop_reason is None:
                 # batch: grad_accum consecutive batches make one optimizer step
                 start = state.batch_in_epoch
@@ -287,7 +288,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 state.batch_in_epoch = 0
                 stop_reason = stop_reason or _stop_reason(cfg, state)
                 if stop_reason is None:
-                    data = _epoch_split(setup)  # the next epoch's segmentation
+                    data = _epoch_split(setup)  # the next epoch's segmentation and batches
+                    batches = _batches(data, cfg, state.epoch, workers)
         if stop_reason == "interrupted" and setup.saved_step != state.step:
             _checkpoint(setup, notify)  # at a step boundary, so that a resume continues exactly
     setup.log.close()
