@@ -226,14 +226,15 @@ def test_the_compiled_fused_terms_equal_the_uncompiled_ones(monkeypatch):
 
 
 @pytest.mark.slow  # torch.compile: ~15 s
-def test_under_train_compile_the_fused_terms_are_traced_into_the_compiled_loss(monkeypatch, fused_on_cpu):
-    monkeypatch.setattr(fused_loss, "_compiled", None)  # inside a compiled loss no compiled function of its own
+def test_under_train_compile_the_loss_stays_out_of_the_graph_and_its_fused_terms_compile_on_their_own(
+        monkeypatch, fused_on_cpu):
+    monkeypatch.setattr(fused_loss, "_compiled", None)
     hidden = torch.randn(19, 16, requires_grad=True)
     weight = torch.randn(50, 16, requires_grad=True)
     target = torch.randint(0, 50, (19,))
     loss, _ = torch.compile(linear_smoothed_cross_entropy, dynamic=True)(hidden, weight, target, 0.1)
     loss.backward()
-    assert fused_loss._compiled is None and fused_loss._enabled
+    assert fused_loss._compiled is not None and fused_loss._enabled
     x = (hidden.detach() @ weight.detach().T).requires_grad_()
     expected = F.cross_entropy(x, target, label_smoothing=0.1, reduction="sum")
     expected.backward()

@@ -419,3 +419,18 @@ def test_building_the_kernels_before_training_changes_no_step(tmp_path, monkeypa
     assert losses[True] == losses[False]
     built_first, lazily = _weights(tmp_path / "True"), _weights(tmp_path / "False")
     assert all(torch.equal(built_first[name], lazily[name]) for name in lazily)
+
+
+@pytest.mark.slow  # torch.compile: ~30 s
+def test_train_compile_gives_the_eager_runs_losses(tmp_path):
+    """train.compile compiles the model's forward and backward (the fused loss stays eager) and trains the
+    same model: without dropout, whose compiled masks are drawn differently, the losses agree."""
+    losses = {}
+    for compiled in (False, True):
+        path = write_config(tmp_path / f"{compiled}.yaml", model={"dropout": 0.0},
+                            train={"compile": compiled, "accel": "off", "max_steps": 5})
+        events = []
+        train(load_config(path), tmp_path / f"run-{compiled}", callback=lambda e, d: events.append((e, d)))
+        losses[compiled] = [d["loss"] for e, d in events if e == "step"]
+    assert len(losses[True]) == 5
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=1e-5)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from tformer_cli.data import Batch, EncodedSplit, collate, token_batches
 from tformer_cli.ensemble import Ensemble, as_ensemble
+from tformer_cli.accel import ops
 from tformer_cli.loss import linear_smoothed_cross_entropy
 
 
@@ -39,6 +40,13 @@ def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float,
         else batch.at_real(hidden)
     return linear_smoothed_cross_entropy(rows, model.output_proj.weight, batch.at_real(batch.tgt_out), smoothing,
                                          rdrop)
+
+
+def compiled_loss() -> Callable[..., tuple[Tensor, Tensor]]:
+    """``label_smoothed_loss`` under torch.compile, as ``train.compile`` runs it: dynamic shapes, each
+    size a symbol of its own. The fused loss itself stays out of the graph (``loss.py``)."""
+    ops.separate_size_symbols()
+    return torch.compile(label_smoothed_loss, dynamic=True)
 
 
 class Seq2SeqLoss(torch.nn.Module):

@@ -29,7 +29,7 @@ from tformer_cli.data import (
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError, first_line
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
-from tformer_cli.evaluation import Seq2SeqLoss, evaluate_loss, label_smoothed_loss, validation_rows
+from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, evaluate_loss, label_smoothed_loss, validation_rows
 from tformer_cli.model import build_model
 from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
 from tformer_cli.parallel import (
@@ -91,7 +91,7 @@ class _Setup:
         if checkpoint is not None:
             load_weights(self.model, checkpoint / WEIGHTS)
         # the objective in one module, for DDP or FSDP to wrap when several processes train
-        loss = torch.compile(label_smoothed_loss, dynamic=True) if cfg.compile else label_smoothed_loss
+        loss = compiled_loss() if cfg.compile else label_smoothed_loss
         layers = [*self.model.encoder.layers, *self.model.decoder.layers]
         self.trainer = distribute(Seq2SeqLoss(self.model, cfg.label_smoothing, cfg.rdrop, loss), layers, workers,
                                   cfg.parallel, device)

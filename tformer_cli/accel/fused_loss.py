@@ -50,8 +50,6 @@ def smoothed_terms(logits: Tensor, t: Tensor, smoothing: float) -> tuple[Tensor,
 def fused_smoothed_terms(logits: Tensor, t: Tensor, smoothing: float) -> tuple[Tensor, Tensor, Tensor] | None:
     """``smoothed_terms`` compiled; None (and the plain path from then on) where it cannot be."""
     global _compiled
-    if torch.compiler.is_compiling():  # inside a compiled training step (train.compile), which fuses them itself
-        return smoothed_terms(logits, t, smoothing)
     if _compiled is None:
         _compiled = torch.compile(smoothed_terms, dynamic=True)
     try:

@@ -30,6 +30,10 @@ _BF16_SUPPORTED = getattr(_MKLDNN, "_is_mkldnn_bf16_supported", None) if _MKLDNN
 _FP16_SUPPORTED = getattr(_MKLDNN, "_is_mkldnn_fp16_supported", None) if _MKLDNN else None
 _AMX = getattr(torch.cpu, "_is_amx_tile_supported", None)
 _LOG_SOFTMAX_OUT = getattr(getattr(torch.ops.aten, "_log_softmax", None), "out", None)
+try:  # torch.compile's shape settings
+    import torch.fx.experimental._config as _FX_CONFIG
+except ImportError:
+    _FX_CONFIG = None
 _FOREACH_LERP = getattr(torch, "_foreach_lerp_", None)
 
 
@@ -51,6 +55,17 @@ def log_softmax_(x: torch.Tensor) -> torch.Tensor:
     if _LOG_SOFTMAX_OUT is None:
         return torch.log_softmax(x, dim=-1)
     return _LOG_SOFTMAX_OUT(x, -1, False, out=x)
+
+
+def separate_size_symbols() -> None:
+    """Have torch.compile give each dynamic size a symbol of its own. By default sizes that are equal
+    in the first call share one ("duck sizing"): when a first batch's source and target happened to be
+    equally long, the next batch compiled the whole model again."""
+    if not hasattr(_FX_CONFIG, "use_duck_shape"):
+        warnings.warn(f"torch {torch.__version__} has no use_duck_shape: torch.compile may compile the model "
+                      "twice", stacklevel=2)
+        return
+    _FX_CONFIG.use_duck_shape = False
 
 
 def foreach_lerp_(targets: list[torch.Tensor], ends: list[torch.Tensor], weight: float) -> None:

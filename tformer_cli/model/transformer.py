@@ -100,7 +100,7 @@ class Decoder(nn.Module):
         position = cache.position if cache is not None else 0
         T = tgt.shape[1]
         x = self.embed(tgt, position)  # (B, T, d_model)
-        self_mask, is_causal = None, T > 1
+        self_mask, is_causal = None, cache is None or T > 1  # one new token needs no mask
         if slopes is not None:  # ALiBi: causal distance bias over all positions so far
             bias = alibi_bias(slopes, T, position + T, offset=position)  # (H, T, position + T)
             allowed = causal_mask(position + T, tgt.device)[position:]  # (T, position + T)
