@@ -45,8 +45,7 @@ def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float,
 def compiled_loss() -> Callable[..., tuple[Tensor, Tensor]]:
     """``label_smoothed_loss`` under torch.compile, as ``train.compile`` runs it: dynamic shapes, each
     size a symbol of its own. The fused loss itself stays out of the graph (``loss.py``)."""
-    ops.separate_size_symbols()
-    return torch.compile(label_smoothed_loss, dynamic=True)
+    return ops.separate_size_symbols(torch.compile(label_smoothed_loss, dynamic=True))
 
 
 class Seq2SeqLoss(torch.nn.Module):

@@ -7,6 +7,7 @@ after one warning: the results stay the same, only slower.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -57,15 +58,22 @@ def log_softmax_(x: torch.Tensor) -> torch.Tensor:
     return _LOG_SOFTMAX_OUT(x, -1, False, out=x)
 
 
-def separate_size_symbols() -> None:
-    """Have torch.compile give each dynamic size a symbol of its own. By default sizes that are equal
-    in the first call share one ("duck sizing"): when a first batch's source and target happened to be
-    equally long, the next batch compiled the whole model again."""
+def separate_size_symbols(compiled: Callable) -> Callable:
+    """``compiled`` (a torch.compile'd function with dynamic shapes), run with each dynamic size a
+    symbol of its own. By default sizes that are equal in the first call share one ("duck sizing"):
+    when a first batch's source and target happened to be equally long, the next batch compiled the
+    whole model again. Only this function's compilations are affected."""
     if not hasattr(_FX_CONFIG, "use_duck_shape"):
         warnings.warn(f"torch {torch.__version__} has no use_duck_shape: torch.compile may compile the model "
                       "twice", stacklevel=2)
-        return
-    _FX_CONFIG.use_duck_shape = False
+        return compiled
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _FX_CONFIG.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def foreach_lerp_(targets: list[torch.Tensor], ends: list[torch.Tensor], weight: float) -> None:
