@@ -4,12 +4,12 @@ decoding batch, under torch's profiler.
     python benchmarks/profile_step.py --device cuda                 # base, ~25,000 target tokens a step
     python benchmarks/profile_step.py --device cpu --size small --tokens 2000   # a quick look on a CPU
 
-Training is profiled three ways: eager, eager with the loss's GPU piece of the speed layer left out
-(``--accel-skip loss``), and compiled. For each it prints the wall time a step, the device's kernel time a step and their ratio
-(how busy the device is: well under 1 means it waits for the host), the kernel time by kind (matrix
-products, attention, the loss, elementwise and normalisation, the optimizer), and the ten costliest
-operators. Training runs the suite's paper-scale batches (``systems.paper_batches``) under bf16
-autocast on CUDA.
+A greedy batch of the paper-scale decoding workload is profiled first; then training three ways:
+eager, eager with the speed layer's GPU loss left out (``--accel-skip loss``), and compiled. For each
+it prints the wall time a step, the device's kernel time a step and their ratio (how busy the device
+is: well under 1 means it waits for the host), the kernel time by kind (matrix products, attention,
+the loss, elementwise and normalisation, the optimizer), and the ten costliest kernels. Training runs
+the suite's paper-scale batches (``systems.paper_batches``), under bf16 autocast on CUDA.
 """
 
 from __future__ import annotations
