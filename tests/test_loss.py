@@ -225,19 +225,29 @@ def test_the_compiled_fused_terms_equal_the_uncompiled_ones(monkeypatch):
             torch.testing.assert_close(ours, plain)
 
 
-@pytest.mark.slow  # torch.compile: ~15 s
-def test_under_train_compile_the_loss_stays_out_of_the_graph_and_its_fused_terms_compile_on_their_own(
-        monkeypatch, fused_on_cpu):
-    monkeypatch.setattr(fused_loss, "_compiled", None)
-    hidden = torch.randn(19, 16, requires_grad=True)
-    weight = torch.randn(50, 16, requires_grad=True)
-    target = torch.randint(0, 50, (19,))
-    loss, _ = torch.compile(linear_smoothed_cross_entropy, dynamic=True)(hidden, weight, target, 0.1)
-    loss.backward()
-    assert fused_loss._compiled is not None and fused_loss._enabled
-    x = (hidden.detach() @ weight.detach().T).requires_grad_()
-    expected = F.cross_entropy(x, target, label_smoothing=0.1, reduction="sum")
-    expected.backward()
-    torch.testing.assert_close(loss, expected)
-    torch.testing.assert_close(hidden.grad, x.grad @ weight.detach())
-    torch.testing.assert_close(weight.grad, x.grad.T @ hidden.detach())
+@pytest.mark.slow  # torch.compile: ~20 s
+@pytest.mark.parametrize("rdrop", [0.0, 1.0])
+def test_train_compiles_the_model_and_leaves_the_fused_loss_to_its_own_kernel(rdrop, monkeypatch, fused_on_cpu):
+    from conftest import tiny_model_config
+    from tformer_cli.data import Batch
+    from tformer_cli.evaluation import compiled_loss, label_smoothed_loss
+    from tformer_cli.model import build_model
+
+    inside_graph = []  # whether each call of the fused terms was being traced into a compiled graph
+    monkeypatch.setattr(fused_loss, "_compiled", lambda *args: inside_graph.append(torch.compiler.is_compiling())
+                        or fused_loss.smoothed_terms(*args))
+    model = build_model(tiny_model_config(dropout=0.0), 40)
+    src, tgt = torch.randint(4, 40, (3, 9)), torch.randint(4, 40, (3, 8))
+    src[1, 6:], tgt[2, 5:] = 0, 0
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
+    results = []
+    for loss_fn in (label_smoothed_loss, compiled_loss()):
+        loss, nll = loss_fn(model, batch, 0.1, rdrop)
+        loss.backward()
+        results.append((loss.detach(), nll, [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad()
+    (loss, nll, grads), (eager_loss, eager_nll, eager_grads) = results[1], results[0]
+    assert inside_graph == ([] if rdrop else [False, False])  # eager, then after the compiled model: outside it
+    torch.testing.assert_close((loss, nll), (eager_loss, eager_nll))
+    for ours, eager in zip(grads, eager_grads):
+        torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-6)

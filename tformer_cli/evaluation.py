@@ -30,22 +30,37 @@ def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float,
     Returns:
         (smoothed loss sum to back-propagate, NLL sum, detached).
     """
+    return _fused_loss(model, batch, real_hidden(model, batch, rdrop), smoothing, rdrop)
+
+
+def real_hidden(model: torch.nn.Module, batch: Batch, rdrop: float = 0.0) -> Tensor:
+    """The decoder's states at the batch's real target tokens (N, d_model); with ``rdrop``, both passes'
+    (2N, d_model), the first pass's tokens, then the second's."""
     src, tgt_in, real = batch.src, batch.tgt_in, batch.real  # real: positions of non-pad tokens in tgt_out
     if rdrop:
         src, tgt_in = torch.cat([src, src]), torch.cat([tgt_in, tgt_in])
     hidden = model.decode(tgt_in, model.encode(src)).hidden  # (B, T, d_model), or (2B, T, d_model)
-    # selected by position, not by a mask, whose row count the host would wait for the GPU to find;
-    # with rdrop, the first pass's tokens, then the second's
-    rows = hidden.flatten(0, 1).index_select(0, torch.cat([real, real + batch.tgt_out.numel()])) if rdrop \
+    # selected by position, not by a mask, whose row count the host would wait for the GPU to find
+    return hidden.flatten(0, 1).index_select(0, torch.cat([real, real + batch.tgt_out.numel()])) if rdrop \
         else batch.at_real(hidden)
+
+
+def _fused_loss(model: torch.nn.Module, batch: Batch, rows: Tensor, smoothing: float,
+                rdrop: float) -> tuple[Tensor, Tensor]:
     return linear_smoothed_cross_entropy(rows, model.output_proj.weight, batch.at_real(batch.tgt_out), smoothing,
                                          rdrop)
 
 
 def compiled_loss() -> Callable[..., tuple[Tensor, Tensor]]:
-    """``label_smoothed_loss`` under torch.compile, as ``train.compile`` runs it: dynamic shapes, each
-    size a symbol of its own. The fused loss itself stays out of the graph (``loss.py``)."""
-    return ops.separate_size_symbols(torch.compile(label_smoothed_loss, dynamic=True))
+    """``label_smoothed_loss`` as ``train.compile`` runs it: the encoder and decoder under torch.compile
+    (one graph, dynamic shapes, each size a symbol of its own), the hand-fused loss eager after it.
+    Traced, the loss's chunk loop would recompile for every batch's token count."""
+    hidden = ops.separate_size_symbols(torch.compile(real_hidden, dynamic=True))
+
+    def loss(model: torch.nn.Module, batch: Batch, smoothing: float, rdrop: float = 0.0) -> tuple[Tensor, Tensor]:
+        return _fused_loss(model, batch, hidden(model, batch, rdrop), smoothing, rdrop)
+
+    return loss
 
 
 class Seq2SeqLoss(torch.nn.Module):

@@ -195,7 +195,6 @@ def _compute_dtype(hidden: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-@torch.compiler.disable  # fused by hand; traced, its chunk loop would recompile for every batch's token count
 def linear_smoothed_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, smoothing: float = 0.0,
                                   rdrop: float = 0.0) -> tuple[Tensor, Tensor]:
     """Sum over tokens of (1 - eps) * NLL + eps * mean_v(-log p_v) for logits = hidden @ weight^T.
