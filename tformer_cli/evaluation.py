@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from tformer_cli.accel import ops
 from tformer_cli.data import Batch, EncodedSplit, collate, token_batches
 from tformer_cli.ensemble import Ensemble, as_ensemble
-from tformer_cli.accel import ops
 from tformer_cli.loss import linear_smoothed_cross_entropy
 
 
