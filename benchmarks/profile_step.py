@@ -4,9 +4,9 @@ decoding batch, under torch's profiler.
     python benchmarks/profile_step.py --device cuda                 # base, ~25,000 target tokens a step
     python benchmarks/profile_step.py --device cpu --size small --tokens 2000   # a quick look on a CPU
 
-A greedy batch of the paper-scale decoding workload is profiled first; then training three ways:
-eager, eager with the speed layer's GPU loss left out (``--accel-skip loss``), and compiled. For each
-it prints the wall time a step, the device's kernel time a step and their ratio (how busy the device
+A greedy batch of the paper-scale decoding workload is profiled first (on CUDA under autocast, then
+with the model held in bf16); then training three ways: eager, eager with the speed layer's GPU loss
+left out (``--accel-skip loss``), and compiled. For each it prints the wall time a step, the device's kernel time a step and their ratio (how busy the device
 is: well under 1 means it waits for the host), the kernel time by kind (matrix products, attention,
 the loss, elementwise and normalisation, the optimizer), and the ten costliest kernels. Training runs
 the suite's paper-scale batches (``systems.paper_batches``), under bf16 autocast on CUDA.
@@ -112,8 +112,13 @@ def main() -> None:
         with autocast(), torch.no_grad():
             decoder.greedy(src, new_tokens)
 
-    measure(f"greedy, {src.shape[0]} sources of {src.shape[1]} tokens, {new_tokens} new tokens", greedy, device,
-            steps=2, warmup=1)
+    workload = f"{src.shape[0]} sources of {src.shape[1]} tokens, {new_tokens} new tokens"
+    measure(f"greedy, {workload}", greedy, device, steps=2, warmup=1)
+    if device.type == "cuda":  # the same model held in bf16: no autocast casts before each linear layer
+        decoder.model.to(torch.bfloat16)
+        with torch.no_grad():
+            measure(f"greedy, {workload}, the model in bf16", lambda: decoder.greedy(src, new_tokens), device,
+                    steps=2, warmup=1)
     del decoder
     variants = [("train, eager", systems.Tformer, ()), ("train, eager, the loss unfused", systems.Tformer, ("loss",))]
     if not args.no_compile:
