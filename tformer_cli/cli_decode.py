@@ -219,7 +219,7 @@ def generate(
         top_k=top_k, top_p=top_p, epsilon=epsilon, seed=seed, nbest=nbest, length_penalty=length_penalty,
         min_len=min_len, no_repeat_ngram=no_repeat_ngram, align_layer=(align_layer or layers) - 1 if align else None,
         mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
-    size = batch_size or loaded.config.decode.batch_size or default_batch_size(options)
+    size = default_batch_size(options, batch_size or loaded.config.decode.batch_size)
     for text in texts or []:
         check_text("TEXTS", text)
     if texts:

@@ -360,8 +360,11 @@ class Translation:
 HYPOTHESES_PER_BATCH = 256
 
 
-def default_batch_size(options: DecodeOptions) -> int:
-    """Sentences per batch when decode.batch_size is not set: HYPOTHESES_PER_BATCH rows a step."""
+def default_batch_size(options: DecodeOptions, batch_size: int | None = None) -> int:
+    """Sentences per batch: ``batch_size`` where one is set (decode.batch_size, --batch-size), else
+    HYPOTHESES_PER_BATCH rows a step."""
+    if batch_size:
+        return batch_size
     if options.mbr:
         options = options.candidates()
     width = options.nbest if options.sample else options.beam_size
@@ -390,7 +393,7 @@ def translate(model: torch.nn.Module | Ensemble, vocab: Vocabulary, texts: list[
     order = sorted((i for i, text in enumerate(texts) if text.strip()), key=lambda i: len(ids[i]))
     search = options.candidates() if options.mbr else options
     metric = sentence_metric(options.mbr_metric) if options.mbr else None
-    batch_size = batch_size or default_batch_size(options)
+    batch_size = default_batch_size(options, batch_size)
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         src = pad_sequences([ids[i] for i in chunk]).to(device)

@@ -153,7 +153,7 @@ def validation_rows(decode_cfg, sentences: int) -> int:
     """The most hypotheses a step of ``validation_bleu`` decodes together, over ``sentences`` sentences."""
     from tformer_cli.decoding import default_batch_size
 
-    return min(sentences, decode_cfg.batch_size or default_batch_size(_validation_search(decode_cfg)))
+    return min(sentences, default_batch_size(_validation_search(decode_cfg), decode_cfg.batch_size))
 
 
 def _validation_search(decode_cfg):
