@@ -15,6 +15,7 @@ the suite's paper-scale batches (``systems.paper_batches``), under bf16 autocast
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import sys
 import time
@@ -126,11 +127,11 @@ def main() -> None:
     for label, system_class, skip in variants:
         systems.ACCEL_SKIP = skip  # speed-layer pieces left out (the fused loss is a GPU piece)
         system = system_class(size, device)
-        turn = iter(range(10**9))
+        batch = itertools.cycle(batches)
 
-        def train_step(system=system, turn=turn):
+        def train_step(system=system, batch=batch):
             with autocast():
-                system.train_step(batches[next(turn) % len(batches)])
+                system.train_step(next(batch))
 
         try:
             measure(label, train_step, device, len(batches), warmup=2 * len(batches))

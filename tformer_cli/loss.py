@@ -58,8 +58,7 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         buffer = None if fused or gemm.onednn_applies(hidden, weight) else \
             hidden.new_empty((_round_up(min(n, chunk) * (2 if rdrop else 1), multiple), weight.shape[0]),
                              dtype=accumulate)
-        if not rdrop:  # the mean logit of a row is h . mean_weight
-            mean_weight = weight.to(accumulate).mean(dim=0, keepdim=True).T  # (d, 1)
+        mean_weight = None  # the mean logit of a row is h . mean_weight (the plain path's, made when needed)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             rows = [slice(start, stop), slice(n + start, n + stop)] if rdrop else [slice(start, stop)]
@@ -75,6 +74,8 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
                 chunk_loss, chunk_nll, grad = _rdrop_logit_grad(logits, t, smoothing, rdrop, want_grad)
             else:
                 logits = logits.to(accumulate)  # already fp32, except where the fused terms did not compile
+                if mean_weight is None:
+                    mean_weight = weight.to(accumulate).mean(dim=0, keepdim=True).T  # (d, 1)
                 mean_logit = h[:m].to(accumulate) @ mean_weight  # (rows, 1)
                 chunk_loss, chunk_nll, grad = _smoothed_logit_grad(logits, t, mean_logit, smoothing, want_grad)
             loss += chunk_loss
