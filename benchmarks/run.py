@@ -39,6 +39,7 @@ from systems import (DEFAULT_PEERS, LIBRARIES, PAD, PEERS, SIZES, Tformer, avail
                      make_batch, paper_batches, paper_sources)
 
 import systems  # noqa: E402
+from tformer_cli.accel import PIECES  # noqa: E402
 from tformer_cli.accel.linear import PACKING, PACKING_BF16  # noqa: E402
 from tformer_cli.accel.ops import LINEAR_POINTWISE, REORDER_LINEAR_WEIGHT  # noqa: E402
 from tformer_cli.runtime import PRECISION_DTYPES, best_seconds  # noqa: E402
@@ -371,8 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     paper = args.scale == "paper"
     args.workloads = args.workloads or ("train,memory,greedy,beam" if paper else ",".join(WORKLOADS))
     args.sizes = args.sizes or ("base,big" if paper else "small,base")
-    for flag, given, known in (("--workloads", args.workloads, WORKLOADS), ("--sizes", args.sizes, SIZES)):
-        unknown = sorted(set(given.split(",")) - set(known))
+    for flag, given, known in (("--workloads", args.workloads, WORKLOADS), ("--sizes", args.sizes, SIZES),
+                               ("--accel-skip", args.accel_skip, PIECES)):
+        unknown = sorted(set(filter(None, given.split(","))) - set(known))
         if unknown:
             parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     global PRECISION
