@@ -148,7 +148,7 @@ def test_the_fused_gpu_terms_equal_cross_entropy_on_logits(smoothing, dtype):
 def fused_on_cpu(monkeypatch):
     """The fused GPU terms applied on the CPU, uncompiled (the CUDA tests run them compiled)."""
     monkeypatch.setattr(fused_loss, "_enabled", True)
-    monkeypatch.setattr(fused_loss, "applies", lambda logits: fused_loss._enabled)
+    monkeypatch.setattr(fused_loss, "applies", lambda hidden: fused_loss._enabled)
     monkeypatch.setattr(fused_loss, "_compiled", fused_loss.smoothed_terms)
 
 

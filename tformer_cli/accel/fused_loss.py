@@ -29,8 +29,9 @@ def enable(on: bool) -> None:
     _enabled = on
 
 
-def applies(logits: Tensor) -> bool:
-    return _enabled and logits.is_cuda
+def applies(hidden: Tensor) -> bool:
+    """Whether the loss of these decoder states computes its terms here: on, and on a GPU."""
+    return _enabled and hidden.is_cuda
 
 
 def smoothed_terms(logits: Tensor, t: Tensor, smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
