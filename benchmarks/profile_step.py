@@ -4,9 +4,10 @@ decoding batch, under torch's profiler.
     python benchmarks/profile_step.py --device cuda                 # base, ~25,000 target tokens a step
     python benchmarks/profile_step.py --device cpu --size small --tokens 2000   # a quick look on a CPU
 
-A greedy batch of the paper-scale decoding workload is profiled first (on CUDA under autocast, then
-with the model held in bf16); then training three ways: eager, eager with the speed layer's GPU loss
-left out (``--accel-skip loss``), and compiled. For each it prints the wall time a step, the device's kernel time a step and their ratio (how busy the device
+A greedy batch of the paper-scale decoding workload is profiled first (on CUDA: a step at a time,
+then as CUDA graphs under autocast, then with the model held in bf16); then training three ways:
+eager, eager with the speed layer's GPU loss left out (``--accel-skip loss``), and compiled. For each
+it prints the wall time a step, the device's kernel time a step and their ratio (how busy the device
 is: well under 1 means it waits for the host), the kernel time by kind (matrix products, attention,
 the loss, elementwise and normalisation, the optimizer), and the ten costliest kernels. Training runs
 the suite's paper-scale batches (``systems.paper_batches``), under bf16 autocast on CUDA.
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import systems  # noqa: E402
+from tformer_cli.accel import graphs  # noqa: E402
 
 # kernel name -> kind, first match wins (cuBLAS/CUTLASS products, torch's attention kernels, ...)
 KINDS = [
@@ -53,9 +55,11 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(label: str, step, device: torch.device, steps: int, warmup: int) -> None:
+    start = time.perf_counter()
     for _ in range(warmup):
         step()
     _sync(device)
+    warm = time.perf_counter() - start  # compiling included, where there is any
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -79,7 +83,7 @@ def measure(label: str, step, device: torch.device, steps: int, warmup: int) -> 
     busy = sum(by_kind.values()) / steps / 1e6
     what = "kernels" if device.type == "cuda" else "operators"
     print(f"\n== {label}: {wall * 1e3:,.1f} ms a step (wall), {busy * 1e3:,.1f} ms of {what} "
-          f"({busy / wall:.0%} busy), {len(kernels) / steps:,.0f} {what} a step")
+          f"({busy / wall:.0%} busy), {len(kernels) / steps:,.0f} {what} a step; {warmup} warm-up steps took {warm:,.1f} s")
     total = sum(by_kind.values())
     for name, us in by_kind.most_common():
         print(f"   {us / steps / 1e3:8.2f} ms  {us / total:5.1%}  {name}")
@@ -96,6 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="different batches, each profiled once")
     parser.add_argument("--sentences", type=int, default=3000, help="the decoding test set, batched as --scale paper does")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled training step")
+    parser.add_argument("--no-train", action="store_true", help="profile decoding only")
     args = parser.parse_args()
     device = torch.device(args.device)
     size = systems.SIZES[args.size]
@@ -114,6 +119,10 @@ def main() -> None:
             decoder.greedy(src, new_tokens)
 
     workload = f"{src.shape[0]} sources of {src.shape[1]} tokens, {new_tokens} new tokens"
+    if device.type == "cuda":  # the plain loop first: the speed layer's CUDA graphs left out
+        graphs.enable(False)
+        measure(f"greedy, {workload}, a step at a time (--accel-skip graphs)", greedy, device, steps=2, warmup=1)
+        graphs.enable(True)
     measure(f"greedy, {workload}", greedy, device, steps=2, warmup=1)
     if device.type == "cuda":  # the same model held in bf16: no autocast casts before each linear layer
         decoder.model.to(torch.bfloat16)
@@ -121,6 +130,8 @@ def main() -> None:
             measure(f"greedy, {workload}, the model in bf16", lambda: decoder.greedy(src, new_tokens), device,
                     steps=2, warmup=1)
     del decoder
+    if args.no_train:
+        return
     variants = [("train, eager", systems.Tformer, ()), ("train, eager, the loss unfused", systems.Tformer, ("loss",))]
     if not args.no_compile:
         variants.append(("train, compiled (train.compile)", systems.TformerCompiled, ()))

@@ -91,6 +91,7 @@ def _config_cases() -> list[Case]:
                    ("train", "lr", [1], "expected a number"), ("train", "max_steps", "ten", "expected an integer"),
                    ("train", "optimizer", "sgdd", "must be one of 'adam', 'adamw'"), ("train", "precision", "fp8", "must be one of"),
                    ("train", "device", "gpu", "must be one of"), ("decode", "beam_size", "four", "expected an integer"),
+                   ("train", "compile", "yes", "must be one of 'auto', true, false"), ("train", "compile", 1, "must be one of"),
                    ("train", "lr", ".nan", "expected a finite number"),
                    ("train", "lr", ".inf", "expected a finite number"),
                    ("model", "dropout", "-.inf", "expected a finite number")]

@@ -40,7 +40,7 @@ def test_an_unknown_speed_layer_piece_is_a_one_line_error():
     result = subprocess.run([sys.executable, str(RUN), "--accel-skip", "dropout,lossy"], capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith("--accel-skip: unknown lossy; choose from linear, gemm, "
-                                                            "dropout, attention, runtime, loss")
+                                                            "dropout, attention, runtime, loss, graphs")
 
 
 def test_a_count_below_one_is_a_one_line_error():

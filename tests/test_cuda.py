@@ -90,12 +90,44 @@ def test_cuda_model_matches_cpu_and_cached_decoding_matches():
     assert [h[0].tokens for h in on_gpu] == [h[0].tokens for h in on_cpu]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_training_on_cuda_with_autocast(tmp_path, precision):
+@pytest.mark.parametrize("precision", ["fp64", "bf16"])
+def test_greedy_decoding_replayed_as_cuda_graphs_equals_the_plain_loop(precision, monkeypatch):
+    from test_graphs import _model, _sources
+    from tformer_cli.accel import graphs
+
+    model = _model(1).cuda()
+    if precision == "bf16":  # peaked distributions: bf16 rounding must not flip an argmax
+        model.float()
+        with torch.no_grad():
+            model.output_proj.weight *= 4
+    src = _sources().cuda()
+    options = DecodeOptions(max_len_a=1.0, max_len_b=4)
+    steps = []
+    record = graphs._step
+    monkeypatch.setattr(graphs, "_step", lambda *args: steps.append(1) or record(*args))
+
+    def decode(on):
+        monkeypatch.setattr(graphs, "_enabled", on)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            return greedy_or_sample(model, src, options)
+
+    graphed, plain = decode(True), decode(False)
+    assert len(steps) == 2  # an eager step, then one recorded: every other step was a graph's replay
+    assert max(len(h.tokens) for h in graphed) > 4
+    assert [h.tokens for h in graphed] == [h.tokens for h in plain]
+    tolerance = 1e-9 if precision == "fp64" else 2e-2
+    torch.testing.assert_close(torch.tensor([h.score for h in graphed]), torch.tensor([h.score for h in plain]),
+                               rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("precision, compile", [("fp32", False), ("bf16", "auto"), ("fp16", False)])
+def test_training_on_cuda_with_autocast(tmp_path, precision, compile):
     path = write_config(tmp_path / "c.yaml", train={"device": "cuda", "precision": precision, "max_steps": 20,
-                                                    "eval_every": 10, "eval_max_sentences": 10, "log_every": 5})
+                                                    "eval_every": 10, "eval_max_sentences": 10, "log_every": 5,
+                                                    "compile": compile})
     events = []
     result = train(load_config(path), tmp_path / "run", callback=lambda e, d: events.append((e, d)))
+    assert [d["compiled"] for e, d in events if e == "start"] == [compile == "auto"]  # auto: compiled on a GPU
     losses = [d["loss"] for e, d in events if e == "step"]
     assert result.state.step == 20 and losses[-1] < losses[0]
     assert all(torch.isfinite(torch.tensor(losses)))

@@ -109,6 +109,13 @@ def _weights(run_dir):
     return load_file(str(step_checkpoints(run_dir)[-1] / "model.safetensors"))
 
 
+def test_train_compile_auto_compiles_on_a_gpu_and_not_on_a_cpu():
+    from tformer_cli.evaluation import compiles
+
+    assert compiles("auto", torch.device("cuda")) and not compiles("auto", torch.device("cpu"))
+    assert compiles(True, torch.device("cpu")) and not compiles(False, torch.device("cuda"))
+
+
 @pytest.mark.slow  # inductor compiles the step for about 35 s on 2 cores
 def test_train_compile_takes_the_steps_the_eager_loop_takes(tmp_path):
     """``train.compile`` compiles the loss (model and fused loss together): the same losses and weights."""

@@ -41,7 +41,8 @@ def field_comments(cls: type) -> dict[str, str]:
 def _type(annotation: str) -> str:
     choices = re.fullmatch(r"Literal\[(.*)\]", annotation)
     if choices:
-        return " / ".join(f"`{c.strip().strip(chr(34) + chr(39))}`" for c in choices.group(1).split(","))
+        names = (c.strip().strip(chr(34) + chr(39)) for c in choices.group(1).split(","))
+        return " / ".join(f"`{name.lower() if name in ('True', 'False') else name}`" for name in names)  # as in YAML
     optional = re.fullmatch(r"Optional\[(.*)\]", annotation)
     return f"{_type(optional.group(1))} or null" if optional else annotation.replace("|", "/")
 

@@ -154,9 +154,9 @@ def check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
         inner = [a for a in args if a is not type(None)]
         return check_type(value, inner[0]) if len(inner) == 1 else (None, value)
     if origin is Literal:
-        if value in args:
+        if any(value == a and type(value) is type(a) for a in args):  # 1 is not true
             return None, value
-        choices = ", ".join(map(repr, args))
+        choices = ", ".join(str(a).lower() if isinstance(a, bool) else repr(a) for a in args)  # as in YAML
         return f"must be one of {choices}, got {value!r}{_suggest(str(value), map(str, args))}", value
     if origin is list:
         if not isinstance(value, (list, tuple)):

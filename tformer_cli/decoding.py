@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tformer_cli.accel import graphs
 from tformer_cli.config import DecodeConfig
 from tformer_cli.ensemble import Ensemble, as_ensemble
 from tformer_cli.mbr import rank, sentence_metric
@@ -126,11 +127,29 @@ def attended_source(attention: Tensor, src: Tensor) -> Tensor:
 def greedy_or_sample(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeOptions,
                      prefix: Tensor | None = None) -> list[Hypothesis]:
     """Greedy search, or sampling with temperature / top-k / top-p when ``options.sample``. ``prefix``
-    (B, P), padded with PAD, holds target tokens each output must start with."""
+    (B, P), padded with PAD, holds target tokens each output must start with. On a GPU, plain greedy
+    search replays each step as a CUDA graph (``accel.graphs``, the same results)."""
     models = as_ensemble(model)
-    B, device = src.shape[0], src.device
     limits = max_new_tokens(src, models.pad_id, options, models.max_len, prefix)
     encoded = models.encode(src)
+    plain = prefix is None and not options.no_repeat_ngram and options.align_layer is None
+    if graphs.applies(models.models, src, options.sample and options.temperature > 0, plain):
+        out, lengths, scores = graphs.greedy(models.models, encoded, limits, options.min_len)
+        aligned = None
+    else:
+        out, lengths, scores, aligned = _greedy_loop(models, src, encoded, limits, options, prefix)
+    out, lengths, scores = out.tolist(), lengths.tolist(), scores.tolist()
+    alignments = aligned.tolist() if aligned is not None else [None] * len(out)
+    return [Hypothesis(row[:n], s, s, a[:n] if a is not None else None)
+            for row, n, s, a in zip(out, lengths, scores, alignments)]
+
+
+def _greedy_loop(models: Ensemble, src: Tensor, encoded, limits: Tensor, options: DecodeOptions,
+                 prefix: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Greedy search (or sampling) a step at a time over a growing cache, finished sentences leaving
+    the batch. Returns the tokens (B, L), EOS-padded, the lengths (B,), the scores (B,) and, with
+    ``options.align_layer``, the source position each token attends to most (B, L)."""
+    B, device = src.shape[0], src.device
     cache = models.start_cache(encoded, capacity=int(limits.max()) + 1)
     generator = _generator(options, device)
     out = torch.full((B, int(limits.max())), EOS_ID, dtype=torch.long, device=device)
@@ -162,10 +181,7 @@ def greedy_or_sample(model: torch.nn.Module | Ensemble, src: Tensor, options: De
             alive, token = alive[keep], token[keep]
             cache.select(keep)
         last = token[:, None]
-    out, lengths, scores = out.tolist(), lengths.tolist(), scores.tolist()
-    alignments = aligned.tolist() if aligned is not None else [None] * B
-    return [Hypothesis(row[:n], s, s, a[:n] if a is not None else None)
-            for row, n, s, a in zip(out, lengths, scores, alignments)]
+    return out, lengths, scores, aligned
 
 
 def argmax(x: Tensor) -> Tensor:

@@ -51,6 +51,13 @@ def _fused_loss(model: torch.nn.Module, batch: Batch, rows: Tensor, smoothing: f
                                          rdrop)
 
 
+def compiles(setting: str | bool, device: torch.device) -> bool:
+    """Whether training compiles its loss (``train.compile``): true, false, or auto, on a GPU only.
+    On an H200 a compiled step of base is 1.27x faster than eager, after ~160 s of compiling; on
+    CPUs compiled steps are slower (benchmarks/README.md)."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
 def compiled_loss() -> Callable[..., tuple[Tensor, Tensor]]:
     """``label_smoothed_loss`` as ``train.compile`` runs it: the encoder and decoder under torch.compile
     (one graph, dynamic shapes, each size a symbol of its own), the hand-fused loss eager after it.

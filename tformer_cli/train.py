@@ -29,7 +29,8 @@ from tformer_cli.data import (
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError, first_line
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
-from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, evaluate_loss, label_smoothed_loss, validation_rows
+from tformer_cli.evaluation import (Seq2SeqLoss, compiled_loss, compiles, evaluate_loss, label_smoothed_loss,
+                                   validation_rows)
 from tformer_cli.model import build_model
 from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
 from tformer_cli.parallel import (
@@ -91,7 +92,8 @@ class _Setup:
         if checkpoint is not None:
             load_weights(self.model, checkpoint / WEIGHTS)
         # the objective in one module, for DDP or FSDP to wrap when several processes train
-        loss = compiled_loss() if cfg.compile else label_smoothed_loss
+        self.compiled = compiles(cfg.compile, device)
+        loss = compiled_loss() if self.compiled else label_smoothed_loss
         layers = [*self.model.encoder.layers, *self.model.decoder.layers]
         self.trainer = distribute(Seq2SeqLoss(self.model, cfg.label_smoothing, cfg.rdrop, loss), layers, workers,
                                   cfg.parallel, device)
@@ -342,7 +344,7 @@ def _build_kernels(setup: _Setup, data: EncodedSplit, batches: list[list[int]]) 
         sentences = min(cfg.eval_max_sentences, len(setup.valid_data.pairs))
         build_decoding_kernels(setup.replica if setup.sharded else setup.model,
                                validation_rows(setup.config.decode, sentences))
-    if cfg.compile or cfg.precision != "fp32" or setup.sharded:
+    if setup.compiled or cfg.precision != "fp32" or setup.sharded:
         return
     src, tgt = torch.tensor(data.src.lengths()), torch.tensor(data.tgt.lengths())
     shapes: dict[tuple[int, int, int], list[int]] = {}
@@ -366,7 +368,7 @@ def _build_kernels(setup: _Setup, data: EncodedSplit, batches: list[list[int]]) 
 def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
     data = setup.train_data
     return {"run_dir": str(setup.run_dir), "device": str(setup.device), "processes": setup.workers.size,
-            "resumed_at": setup.state.step,
+            "compiled": setup.compiled, "resumed_at": setup.state.step,
             "parameters": sum(p.numel() for p in setup.model.parameters()), "train_pairs": len(data),
             "validation_pairs": len(setup.valid_data) if setup.valid_data else 0,
             "dropped_long": data.dropped_long, "dropped_empty": data.dropped_empty, "truncated": data.truncated,

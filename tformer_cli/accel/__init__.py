@@ -17,7 +17,8 @@ tested equal to the plain path (tests/test_accel*.py), and turned off by ``train
 - with ``int8``, int8 linear layers for decoding (int8.py).
 
 On a GPU torch's own kernels are the fast ones and nothing is swapped; the fused loss computes its
-softmax and logit gradient in one compiled pass instead of several (fused_loss.py).
+softmax and logit gradient in one compiled pass instead of several (fused_loss.py), and greedy
+decoding replays each step as one CUDA graph (graphs.py).
 What each piece buys, measured: benchmarks/README.md.
 """
 
@@ -28,7 +29,7 @@ import os
 import torch
 from torch import nn
 
-from tformer_cli.accel import fused_loss, gemm, heap
+from tformer_cli.accel import fused_loss, gemm, graphs, heap
 from tformer_cli.accel.attention import CpuAttention
 from tformer_cli.accel.dropout import FastDropout
 from tformer_cli.accel.gemm import build_kernels
@@ -39,8 +40,9 @@ from tformer_cli.model.attention import ScaledDotProductAttention
 from tformer_cli.model.layers import PositionwiseFeedForward
 
 MODES = ("auto", "off")
-PIECES = ("linear", "gemm", "dropout", "attention", "runtime", "loss")  # what ``skip`` may leave out, to measure each
-CUDA_PIECES = ("loss",)  # the pieces that act on a GPU; the others act on a CPU
+# what ``skip`` may leave out, to measure each
+PIECES = ("linear", "gemm", "dropout", "attention", "runtime", "loss", "graphs")
+CUDA_PIECES = ("loss", "graphs")  # the pieces that act on a GPU; the others act on a CPU
 ONEDNN_CACHE_CAPACITY = 4096  # a bf16 Multi30k run used ~1,700; each kernel holds ~0.5-2.5 MB
 
 
@@ -66,7 +68,9 @@ def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
         skip = (*skip, "linear")
     on_cpu = torch.device(device).type == "cpu" and mode == "auto"
     gemm.enable(on_cpu and "gemm" not in skip and gemm.pays_here())
-    fused_loss.enable(torch.device(device).type == "cuda" and mode == "auto" and "loss" not in skip)
+    on_gpu = torch.device(device).type == "cuda" and mode == "auto"
+    fused_loss.enable(on_gpu and "loss" not in skip)
+    graphs.enable(on_gpu and "graphs" not in skip)
     if on_cpu:
         if "runtime" not in skip:
             tune_runtime()

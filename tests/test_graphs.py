@@ -1,0 +1,102 @@
+"""The graphed greedy step (accel/graphs.py) against the plain greedy loop. On a CPU the step runs
+eagerly (``capture=False``): the same preallocated cache, tensor-held position, masks and in-place
+bookkeeping that the CUDA graph records; tests/test_cuda.py replays it as a graph."""
+
+import pytest
+import torch
+
+from conftest import tiny_model_config
+from tformer_cli.accel import graphs
+from tformer_cli.decoding import DecodeOptions, _greedy_loop, greedy_or_sample, max_new_tokens
+from tformer_cli.ensemble import Ensemble, as_ensemble
+from tformer_cli.model import build_model
+from tformer_cli.tokenizer import EOS_ID
+
+VOCAB = 24
+
+
+def _model(seed: int, **overrides):
+    """A random tiny model (fp64: no near-ties between float orders of summation) whose EOS weight is
+    scaled until greedy outputs of ``_sources`` end with EOS at several different steps."""
+    torch.manual_seed(seed)
+    model = build_model(tiny_model_config(**overrides), VOCAB).double().eval()
+    eos = model.output_proj.weight[EOS_ID].detach().clone()
+    options = DecodeOptions(max_len_a=1.0, max_len_b=4)
+    limits = max_new_tokens(_sources(), 0, options, 64).tolist()
+    for scale in (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0):
+        with torch.no_grad():
+            model.output_proj.weight[EOS_ID] = eos * scale
+        lengths = [len(h.tokens) for h in greedy_or_sample(model, _sources(), options)]
+        if len(set(lengths)) > 2 and any(n < limit for n, limit in zip(lengths, limits)):
+            return model
+    raise AssertionError("no EOS scale ends these sentences at several steps")
+
+
+def _sources(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, VOCAB, (6, 9), generator=generator)
+    src[:, -1] = EOS_ID
+    src[1, 4:] = 0  # padding: the memory mask is used
+    src[4, 6:] = 0
+    return src
+
+
+def _both(model, src, options):
+    models = as_ensemble(model)
+    limits = max_new_tokens(src, models.pad_id, options, models.max_len)
+    encoded = models.encode(src)
+    with torch.no_grad():
+        graphed = graphs.greedy(models.models, encoded, limits, options.min_len, capture=False)
+        plain = _greedy_loop(models, src, encoded, limits, options, None)[:3]
+    return graphed, plain
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"norm": "pre", "activation": "gelu"},
+    {"positional": "learned", "attention_bias": True},
+    {"share_embeddings": "none", "num_decoder_layers": 3},
+])
+@pytest.mark.parametrize("min_len", [0, 3])
+def test_the_static_step_gives_the_plain_loops_tokens_lengths_and_scores(overrides, min_len):
+    model = _model(1, **overrides)
+    src, options = _sources(), DecodeOptions(max_len_a=1.0, max_len_b=4, min_len=min_len)
+    graphed, plain = _both(model, src, options)
+    out, lengths, scores = graphed
+    assert lengths.tolist() == plain[1].tolist()
+    for row, n, reference in zip(out.tolist(), lengths.tolist(), plain[0].tolist()):
+        assert row[:n] == reference[:n]
+        assert all(t == EOS_ID for t in row[n:])  # finished sentences emit EOS after their end
+    torch.testing.assert_close(scores, plain[2], rtol=1e-9, atol=1e-9)
+
+
+def test_an_ensemble_steps_like_the_plain_loop():
+    ensemble = Ensemble([_model(1), _model(2)])
+    graphed, plain = _both(ensemble, _sources(3), DecodeOptions(max_len_a=1.0, max_len_b=3))
+    assert graphed[1].tolist() == plain[1].tolist()
+    for row, n, reference in zip(graphed[0].tolist(), graphed[1].tolist(), plain[0].tolist()):
+        assert row[:n] == reference[:n]
+    torch.testing.assert_close(graphed[2], plain[2], rtol=1e-9, atol=1e-9)
+
+
+def test_graphs_apply_only_to_plain_greedy_search_on_a_gpu_with_positions_in_the_embeddings(monkeypatch):
+    model, src = _model(1), _sources()
+    monkeypatch.setattr(graphs, "_enabled", True)
+    on_gpu = torch.empty(0, device="meta")  # stands for a CUDA tensor: only ``is_cuda`` is read
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type in ("cuda", "meta")))
+    assert graphs.applies([model], on_gpu, sample=False, plain=True)
+    assert not graphs.applies([model], src, sample=False, plain=True)  # a CPU tensor
+    assert not graphs.applies([model], on_gpu, sample=True, plain=True)
+    assert not graphs.applies([model], on_gpu, sample=False, plain=False)  # a prefix, n-gram ban or alignment
+    for positional in ("rope", "alibi"):
+        assert not graphs.applies([_model(1, positional=positional)], on_gpu, sample=False, plain=True)
+    assert not graphs.applies([model.train()], on_gpu, sample=False, plain=True)
+    monkeypatch.setattr(graphs, "_enabled", False)
+    assert not graphs.applies([model.eval()], on_gpu, sample=False, plain=True)
+
+
+def test_greedy_decoding_on_a_cpu_takes_the_plain_loop(monkeypatch):
+    monkeypatch.setattr(graphs, "_enabled", True)
+    monkeypatch.setattr(graphs, "greedy", lambda *args, **kwargs: pytest.fail("graphs on a CPU"))
+    hypotheses = greedy_or_sample(_model(1), _sources(), DecodeOptions(max_len_a=0, max_len_b=5))
+    assert len(hypotheses) == 6
