@@ -7,10 +7,11 @@
 # tests   the CUDA tests: kernels against the explicit path, CUDA against the CPU, autocast training,
 #         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one
 # profile where a paper-scale base step's GPU time goes (benchmarks/profile_step.py): eager and compiled
-#         training, a greedy decoding batch; kernel time by kind, how busy the GPU is
+#         training, a greedy decoding batch a step at a time and as CUDA graphs; kernel time by kind,
+#         how busy the GPU is
 # suite   the suite (`benchmarks/run.py --device cuda`: every peer, CTranslate2 among the decoders)
-# paper   `--scale paper`: base and big at ~25,000 target tokens a step, tformer with train.compile
-#         beside it (the GPU default if it wins): paper-train; decoding 3,000 sentences: paper-decode.
+# paper   `--scale paper`: base and big at ~25,000 target tokens a step, tformer eager and with
+#         train.compile (the GPU default) beside it: paper-train; decoding 3,000 sentences: paper-decode.
 #         $SIZES (default base,big) picks the sizes: on an H100 paper-train at base alone took 5.5 minutes
 #         and paper-decode at both sizes over 8, so a 10-minute call holds one size of each
 # syncs   where training and decoding wait for the GPU: 300 demo steps, then greedy and beam 4 over 64
@@ -18,7 +19,7 @@
 #         line of tformer that made it
 # train   `tformer train configs/base.yaml` in bf16 for $MINUTES minutes (default 10) on Multi30k;
 #         prints the run's own median tokens/s, TFLOP/s and MFU; $TRAIN_SET adds a setting
-#         (TRAIN_SET=train.compile=true: the compiled run)
+#         (the run compiles, train.compile: auto; TRAIN_SET=train.compile=false: the eager run)
 #
 # Results go to $RESULTS (default gpu-results/): a log per step, JSON where the step writes some
 # (written after every workload and size, so a step cut off by a time limit keeps what it finished).
