@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_model_config, write_config
 from tformer_cli.config import load_config
-from tformer_cli.decoding import DecodeOptions, beam_search, greedy_or_sample
+from tformer_cli.decoding import DecodeOptions, beam_search, decode_batch, greedy_or_sample
 import tformer_cli.loss as loss_module
 from tformer_cli.accel import fused_loss
 from tformer_cli.loss import _log_softmax_, linear_smoothed_cross_entropy
@@ -90,8 +90,9 @@ def test_cuda_model_matches_cpu_and_cached_decoding_matches():
     assert [h[0].tokens for h in on_gpu] == [h[0].tokens for h in on_cpu]
 
 
+@pytest.mark.parametrize("beams", [1, 4])  # greedy search, beam search
 @pytest.mark.parametrize("precision", ["fp64", "bf16"])
-def test_greedy_decoding_replayed_as_cuda_graphs_equals_the_plain_loop(precision, monkeypatch):
+def test_decoding_replayed_as_cuda_graphs_equals_the_plain_loop(precision, beams, monkeypatch):
     from test_graphs import _model, _sources
     from tformer_cli.accel import graphs
 
@@ -101,23 +102,25 @@ def test_greedy_decoding_replayed_as_cuda_graphs_equals_the_plain_loop(precision
         with torch.no_grad():
             model.output_proj.weight *= 4
     src = _sources().cuda()
-    options = DecodeOptions(max_len_a=1.0, max_len_b=4)
+    options = DecodeOptions(beam_size=beams, max_len_a=1.0, max_len_b=4)
     steps = []
-    record = graphs._step
-    monkeypatch.setattr(graphs, "_step", lambda *args: steps.append(1) or record(*args))
+    state = graphs.GreedyState if beams == 1 else graphs.BeamState
+    record = state.step
+    monkeypatch.setattr(state, "step", lambda *args: steps.append(1) or record(*args))
 
     def decode(on):
         monkeypatch.setattr(graphs, "_enabled", on)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            return greedy_or_sample(model, src, options)
+            return [h for [h] in decode_batch(model, src, options)]
 
     graphed, plain = decode(True), decode(False)
     assert len(steps) == 2  # an eager step, then one recorded: every other step was a graph's replay
     assert max(len(h.tokens) for h in graphed) > 4
     assert [h.tokens for h in graphed] == [h.tokens for h in plain]
     tolerance = 1e-9 if precision == "fp64" else 2e-2
-    torch.testing.assert_close(torch.tensor([h.score for h in graphed]), torch.tensor([h.score for h in plain]),
-                               rtol=tolerance, atol=tolerance)
+    for key in ("score", "normalized"):
+        torch.testing.assert_close(torch.tensor([getattr(h, key) for h in graphed]),
+                                   torch.tensor([getattr(h, key) for h in plain]), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("precision, compile", [("fp32", False), ("bf16", "auto"), ("fp16", False)])

@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_model_config
 from tformer_cli.accel import graphs
-from tformer_cli.decoding import DecodeOptions, _greedy_loop, greedy_or_sample, max_new_tokens
+from tformer_cli.decoding import DecodeOptions, _greedy_loop, beam_search, greedy_or_sample, max_new_tokens
 from tformer_cli.ensemble import Ensemble, as_ensemble
 from tformer_cli.model import build_model
 from tformer_cli.tokenizer import EOS_ID
@@ -79,6 +79,49 @@ def test_an_ensemble_steps_like_the_plain_loop():
     torch.testing.assert_close(graphed[2], plain[2], rtol=1e-9, atol=1e-9)
 
 
+def _beams(model, src, options):
+    """The static beam step run eagerly, and ``beam_search``'s plain loop: (tokens, score, normalised)
+    of each sentence's best hypothesis."""
+    models = as_ensemble(model)
+    limits = max_new_tokens(src, models.pad_id, options, models.max_len)
+    with torch.no_grad():
+        tokens, lengths, scores, normalized = graphs.beam(models.models, models.encode(src), limits,
+                                                          options.beam_size, options.length_penalty,
+                                                          options.min_len, capture=False)
+    graphed = [(row[:n], s, z) for row, n, s, z in zip(tokens.tolist(), lengths.tolist(), scores.tolist(),
+                                                       normalized.tolist())]
+    plain = [(h.tokens, h.score, h.normalized) for [h] in beam_search(model, src, options)]
+    return graphed, plain
+
+
+@pytest.mark.parametrize("overrides, beams, alpha, min_len", [
+    ({}, 4, 0.6, 0),
+    ({}, 2, 0.0, 3),
+    ({"norm": "pre", "activation": "gelu"}, 4, 0.6, 1),
+    ({}, 5, 1.0, 2),
+    ({"positional": "learned", "attention_bias": True}, 3, 0.6, 2),
+])
+def test_the_static_beam_step_finds_beam_searchs_best_hypotheses(overrides, beams, alpha, min_len):
+    model, lengths = _model(1, **overrides), set()
+    for max_len_b in (2, 4, 9):  # limits that end sentences, and room for EOS to end them
+        options = DecodeOptions(beam_size=beams, length_penalty=alpha, min_len=min_len, max_len_a=1.0,
+                                max_len_b=max_len_b)
+        graphed, plain = _beams(model, _sources(), options)
+        for (tokens, score, normalized), (tokens_plain, score_plain, normalized_plain) in zip(graphed, plain):
+            assert tokens == tokens_plain
+            assert score == pytest.approx(score_plain, rel=1e-9, abs=1e-9)
+            assert normalized == pytest.approx(normalized_plain, rel=1e-9, abs=1e-9)
+        lengths |= {len(t) for t, _, _ in graphed}
+    assert len(lengths) > 2  # hypotheses of several lengths
+
+
+def test_the_static_beam_step_of_an_ensemble_finds_beam_searchs_best_hypotheses():
+    graphed, plain = _beams(Ensemble([_model(1), _model(2)]), _sources(3), DecodeOptions(beam_size=4, max_len_a=1.0,
+                                                                                          max_len_b=5))
+    assert [t for t, _, _ in graphed] == [t for t, _, _ in plain]
+    assert [s for _, s, _ in graphed] == pytest.approx([s for _, s, _ in plain], rel=1e-9, abs=1e-9)
+
+
 def test_graphs_apply_only_to_plain_greedy_search_on_a_gpu_with_positions_in_the_embeddings(monkeypatch):
     model, src = _model(1), _sources()
     monkeypatch.setattr(graphs, "_enabled", True)
@@ -100,3 +143,21 @@ def test_greedy_decoding_on_a_cpu_takes_the_plain_loop(monkeypatch):
     monkeypatch.setattr(graphs, "greedy", lambda *args, **kwargs: pytest.fail("graphs on a CPU"))
     hypotheses = greedy_or_sample(_model(1), _sources(), DecodeOptions(max_len_a=0, max_len_b=5))
     assert len(hypotheses) == 6
+
+
+def test_a_step_that_cannot_be_recorded_warns_once_and_decodes_on_the_plain_path(monkeypatch):
+    model, src = _model(1), _sources()
+    options = DecodeOptions(max_len_a=1.0, max_len_b=4)
+    expected = [h.tokens for h in greedy_or_sample(model, src, options)]
+
+    def unrecordable(step):
+        step()  # the eager first step has run when recording fails
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_record", unrecordable)
+    monkeypatch.setattr(graphs, "_enabled", True)
+    monkeypatch.setattr(graphs, "applies", lambda *args: graphs._enabled)  # as on a GPU
+    with pytest.warns(UserWarning, match="could not be recorded as a CUDA graph.*a step at a time"):
+        assert [h.tokens for h in greedy_or_sample(model, src, options)] == expected
+    assert not graphs._enabled  # the piece is off from then on: no second warning
+    assert [h.tokens for h in greedy_or_sample(model, src, options)] == expected

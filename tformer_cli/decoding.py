@@ -133,9 +133,11 @@ def greedy_or_sample(model: torch.nn.Module | Ensemble, src: Tensor, options: De
     limits = max_new_tokens(src, models.pad_id, options, models.max_len, prefix)
     encoded = models.encode(src)
     plain = prefix is None and not options.no_repeat_ngram and options.align_layer is None
+    graphed = None
     if graphs.applies(models.models, src, options.sample and options.temperature > 0, plain):
-        out, lengths, scores = graphs.greedy(models.models, encoded, limits, options.min_len)
-        aligned = None
+        graphed = graphs.greedy(models.models, encoded, limits, options.min_len)  # None: it could not record
+    if graphed is not None:
+        (out, lengths, scores), aligned = graphed, None
     else:
         out, lengths, scores, aligned = _greedy_loop(models, src, encoded, limits, options, prefix)
     out, lengths, scores = out.tolist(), lengths.tolist(), scores.tolist()
@@ -258,13 +260,21 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
 
     A sentence stops when its best finished hypothesis beats the best score any live beam could
     still reach; finished sentences leave the batch. Returns ``nbest`` hypotheses per sentence.
-    ``prefix`` (B, P), padded with PAD, holds target tokens each output must start with.
+    ``prefix`` (B, P), padded with PAD, holds target tokens each output must start with. On a GPU,
+    with nbest 1, each step is replayed as a CUDA graph (``accel.graphs``, the same results).
     """
     models = as_ensemble(model)
     B, K, device = src.shape[0], options.beam_size, src.device
     alpha = options.length_penalty
-    limits = max_new_tokens(src, models.pad_id, options, models.max_len, prefix).tolist()
+    limits = max_new_tokens(src, models.pad_id, options, models.max_len, prefix)
     encoded = models.encode(src)  # (B, S, d): the K beams of a sentence share its cross-attention K/V
+    plain = prefix is None and not options.no_repeat_ngram and options.align_layer is None and options.nbest == 1
+    if graphs.applies(models.models, src, False, plain):  # on a GPU: each step replayed as a CUDA graph
+        best = graphs.beam(models.models, encoded, limits, K, alpha, options.min_len)  # None: it could not record
+        if best is not None:
+            tokens, lengths, scores, normalized = (t.tolist() for t in best)
+            return [[Hypothesis(row[:n], s, z)] for row, n, s, z in zip(tokens, lengths, scores, normalized)]
+    limits = limits.tolist()
     cache = models.start_cache(encoded, capacity=max(limits) + 1, group=K)
     scores = torch.zeros(B, K, device=device)
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
