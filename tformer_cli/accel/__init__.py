@@ -17,8 +17,8 @@ tested equal to the plain path (tests/test_accel*.py), and turned off by ``train
 - with ``int8``, int8 linear layers for decoding (int8.py).
 
 On a GPU torch's own kernels are the fast ones and nothing is swapped; the fused loss computes its
-softmax and logit gradient in one compiled pass instead of several (fused_loss.py), and greedy
-decoding replays each step as one CUDA graph (graphs.py).
+softmax and logit gradient in one compiled pass instead of several (fused_loss.py), and greedy and
+beam search replay each step as one CUDA graph (graphs.py).
 What each piece buys, measured: benchmarks/README.md.
 """
 
