@@ -89,21 +89,23 @@ def test_ddp_two_processes_train_as_one_process_accumulating_two_batches(tmp_pat
     assert resumed["stop_reason"] == f"reached train.max_time {limit:g} s" and resumed["step"] > 4
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="NCCL needs a GPU"))])
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_a_group_of_one_trains_through_the_engines_as_one_process_does(tmp_path, config, monkeypatch, device,
-                                                                        engine):
+                                                                        engine, compiled):
     """The whole loop under DDP or FSDP2 in a process group of one: gloo on the CPU, NCCL on a GPU (which
     refuses two ranks on one device), where the machine has a single one. The same weights and losses
-    as without a group; checkpoints gathered to whole tensors."""
+    as without a group; checkpoints gathered to whole tensors. Also compiled (``train.compile``, a GPU's
+    default): the engines' hooks around the compiled encoder and decoder."""
     import tformer_cli.parallel as parallel
     import tformer_cli.train as training
     from tformer_cli.config import load_config
     from tformer_cli.parallel import Workers, leave
     from tformer_cli.train import train
 
-    overrides = [f"train.device={device}", f"train.parallel={engine}"]
+    overrides = [f"train.device={device}", f"train.parallel={engine}", f"train.compile={str(compiled).lower()}"]
     train(load_config(config, overrides), tmp_path / "alone")
     trainers = []  # what the loop trains through
 
