@@ -58,8 +58,9 @@ def supports(model: torch.nn.Module) -> bool:
 
 
 def applies(models: list[torch.nn.Module], src: Tensor, sample: bool, plain: bool) -> bool:
-    """Whether greedy decoding of ``src`` runs as CUDA graphs: on, on a GPU, greedy (not ``sample``),
-    with no per-step rule beyond min_len (``plain``), every model supported."""
+    """Whether greedy or beam search over ``src`` runs as CUDA graphs: the piece on, ``src`` on a GPU,
+    no sampling (``sample``), no rule beyond min_len that the loops apply per step or hypothesis
+    (``plain``: no prefix, n-gram ban, alignment or n-best list), every model supported."""
     return _enabled and src.is_cuda and not sample and plain and all(supports(m) for m in models)
 
 
