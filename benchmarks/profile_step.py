@@ -1,12 +1,12 @@
-"""Where a step's time goes: tformer's paper-scale training step (eager and compiled) and a greedy
-decoding batch, under torch's profiler.
+"""Where a step's time goes: tformer's paper-scale training step (eager and compiled) and decoding
+batches (greedy and beam 4), under torch's profiler.
 
     python benchmarks/profile_step.py --device cuda                 # base, ~25,000 target tokens a step
     python benchmarks/profile_step.py --device cpu --size small --tokens 2000   # a quick look on a CPU
 
-A greedy batch of the paper-scale decoding workload is profiled first (on CUDA: a step at a time,
-then as CUDA graphs under autocast, then with the model held in bf16); then training three ways:
-eager, eager with the speed layer's GPU loss left out (``--accel-skip loss``), and compiled. For each
+A greedy batch and a beam-4 batch of the paper-scale decoding workloads are profiled first (on CUDA:
+a step at a time, then as CUDA graphs, under autocast; then greedy with the model held in bf16); then
+training three ways: eager, eager with the speed layer's GPU loss left out (``--accel-skip loss``), and compiled. For each
 it prints the wall time a step, the device's kernel time a step and their ratio (how busy the device
 is: well under 1 means it waits for the host), the kernel time by kind (matrix products, attention,
 the loss, elementwise and normalisation, the optimizer), and the ten costliest kernels. Training runs
@@ -118,17 +118,26 @@ def main() -> None:
         with autocast(), torch.no_grad():
             decoder.greedy(src, new_tokens)
 
-    workload = f"{src.shape[0]} sources of {src.shape[1]} tokens, {new_tokens} new tokens"
-    if device.type == "cuda":  # the plain loop first: the speed layer's CUDA graphs left out
-        graphs.enable(False)
-        measure(f"greedy, {workload}, a step at a time (--accel-skip graphs)", greedy, device, steps=2, warmup=1)
-        graphs.enable(True)
-    measure(f"greedy, {workload}", greedy, device, steps=2, warmup=1)
+    beam_sources = systems.paper_sources(size, args.sentences, 2048, device)  # the beam workload's batches
+    beam_src, beam_new = beam_sources[len(beam_sources) // 2]
+
+    def beam():
+        with autocast(), torch.no_grad():
+            decoder.beam(beam_src, beam_new, 4)
+
+    for label, run, (rows, length, new) in (("greedy", greedy, (*src.shape, new_tokens)),
+                                            ("beam 4", beam, (*beam_src.shape, beam_new))):
+        workload = f"{label}, {rows} sources of {length} tokens, {new} new tokens"
+        if device.type == "cuda":  # the plain loop first: the speed layer's CUDA graphs left out
+            graphs.enable(False)
+            measure(f"{workload}, a step at a time (--accel-skip graphs)", run, device, steps=2, warmup=1)
+            graphs.enable(True)
+        measure(workload, run, device, steps=2, warmup=1)
     if device.type == "cuda":  # the same model held in bf16: no autocast casts before each linear layer
         decoder.model.to(torch.bfloat16)
         with torch.no_grad():
-            measure(f"greedy, {workload}, the model in bf16", lambda: decoder.greedy(src, new_tokens), device,
-                    steps=2, warmup=1)
+            measure(f"greedy, {src.shape[0]} sources of {src.shape[1]} tokens, {new_tokens} new tokens, the model "
+                    "in bf16", lambda: decoder.greedy(src, new_tokens), device, steps=2, warmup=1)
     del decoder
     if args.no_train:
         return
