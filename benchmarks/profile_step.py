@@ -5,7 +5,7 @@ batches (greedy and beam 4), under torch's profiler.
     python benchmarks/profile_step.py --device cpu --size small --tokens 2000   # a quick look on a CPU
 
 A greedy batch and a beam-4 batch of the paper-scale decoding workloads are profiled first (on CUDA:
-a step at a time, then as CUDA graphs, under autocast; then greedy with the model held in bf16); then
+a step at a time, then as CUDA graphs, under autocast; then with the model held in bf16); then
 training three ways: eager, eager with the speed layer's GPU loss left out (``--accel-skip loss``), and compiled. For each
 it prints the wall time a step, the device's kernel time a step and their ratio (how busy the device
 is: well under 1 means it waits for the host), the kernel time by kind (matrix products, attention,
@@ -110,6 +110,8 @@ def main() -> None:
           f"{torch.__version__}: {len(batches)} batches, {sum(b.target_tokens for b in batches) // len(batches):,} "
           "target tokens each on average")
     systems.ACCEL_SKIP = ()
+    systems.PRECISION = "bf16" if device.type == "cuda" else "fp32"
+    systems.HOLD_FOR_DECODING = False  # autocast first; then greedy with the model held in bf16
     decoder = systems.Tformer(size, device)
     sources = systems.paper_sources(size, args.sentences, 8192, device)  # the paper-scale decoding workload's
     src, new_tokens = sources[len(sources) // 2]  # one of middling length
@@ -133,11 +135,12 @@ def main() -> None:
             measure(f"{workload}, a step at a time (--accel-skip graphs)", run, device, steps=2, warmup=1)
             graphs.enable(True)
         measure(workload, run, device, steps=2, warmup=1)
-    if device.type == "cuda":  # the same model held in bf16: no autocast casts before each linear layer
-        decoder.model.to(torch.bfloat16)
-        with torch.no_grad():
-            measure(f"greedy, {src.shape[0]} sources of {src.shape[1]} tokens, {new_tokens} new tokens, the model "
-                    "in bf16", lambda: decoder.greedy(src, new_tokens), device, steps=2, warmup=1)
+    if device.type == "cuda":  # held in bf16, as `tformer eval --precision bf16` decodes: no autocast casts
+        systems.HOLD_FOR_DECODING = True
+        for label, run, (rows, length, new) in (("greedy", greedy, (*src.shape, new_tokens)),
+                                                ("beam 4", beam, (*beam_src.shape, beam_new))):
+            measure(f"{label}, {rows} sources of {length} tokens, {new} new tokens, the model in bf16", run, device,
+                    steps=2, warmup=1)
     del decoder
     if args.no_train:
         return

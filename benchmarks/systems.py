@@ -45,6 +45,7 @@ SIZES = {
 }
 COMPILE_PEERS = False  # torch.compile nn.Transformer (benchmarks/run.py --scale paper: peers at their best)
 PRECISION = "fp32"  # the suite's precision (benchmarks/run.py --precision): CTranslate2 computes in it too
+HOLD_FOR_DECODING = True  # tformer decodes as `tformer eval` does: in bf16 on a GPU, the model held in bf16
 
 
 @dataclass
@@ -192,10 +193,15 @@ class Tformer(System):
         self.optimizer.zero_grad(set_to_none=True)
 
     def _decode(self, src: torch.Tensor, new_tokens: int, beams: int) -> list:
+        from tformer_cli.cli_options import held_in_bf16
         from tformer_cli.decoding import DecodeOptions, decode_batch
 
         self.model.eval()
         options = DecodeOptions(beam_size=beams, max_len_a=0, max_len_b=new_tokens, min_len=new_tokens)
+        if HOLD_FOR_DECODING and held_in_bf16(src.device, PRECISION):
+            self.model.to(torch.bfloat16)
+            with torch.autocast(src.device.type, enabled=False):  # the suite's autocast: not for a bf16 model
+                return decode_batch(self.model, src, options)
         return decode_batch(self.model, src, options)
 
     def greedy(self, src, new_tokens):

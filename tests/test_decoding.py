@@ -240,3 +240,27 @@ def test_blocked_topk_equals_torch_topk(columns, k):
     expected = x.topk(k, dim=-1)
     assert torch.equal(values, expected.values)
     assert torch.equal(indices, expected.indices)
+
+
+def test_a_model_held_in_bf16_decodes_as_the_fp32_model_does(model):
+    """``--precision bf16`` on a GPU holds the model in bf16 (cli_options.hold_for_decoding): the cache,
+    positions and scores then run in bf16 too."""
+    import copy
+    from contextlib import nullcontext
+
+    from tformer_cli.cli_options import hold_for_decoding
+    from tformer_cli.ensemble import Ensemble
+
+    with torch.no_grad():  # peaked distributions: bf16 rounding must not flip an argmax
+        model.output_proj.weight *= 8
+    held = Ensemble([copy.deepcopy(model)])
+    amp = object()
+    assert hold_for_decoding(held, torch.device("cpu"), "bf16", amp) is amp  # CPUs: autocast, the model as it was
+    assert hold_for_decoding(held, torch.device("cuda"), "fp16", amp) is amp
+    assert held.models[0].output_proj.weight.dtype == torch.float32
+    assert isinstance(hold_for_decoding(held, torch.device("cuda"), "bf16", amp), nullcontext)
+    assert all(p.dtype == torch.bfloat16 for p in held.models[0].parameters())
+    src = _sources()
+    for options in (DecodeOptions(max_len_a=0, max_len_b=10), DecodeOptions(beam_size=3, max_len_a=0, max_len_b=10)):
+        assert [h[0].tokens for h in decode_batch(held, src, options)] == \
+            [h[0].tokens for h in decode_batch(model, src, options)]

@@ -10,7 +10,7 @@ import typer
 
 from tformer_cli.cli_options import (
     ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, JsonOpt, PrecisionOpt, RunArg,
-    check_decoding_flags, check_text, decoding_autocast, stdin_lines)
+    check_decoding_flags, check_text, decoding_autocast, hold_for_decoding, stdin_lines)
 from tformer_cli.errors import UsageError
 
 EnsembleOpt = Annotated[Optional[list[str]], typer.Option(
@@ -106,6 +106,7 @@ def eval_command(
     amp = decoding_autocast(dev, precision)  # checked before the model is loaded
     runs = ensemble_runs(run, ensemble)
     loaded, models = load_ensemble(runs, dev, accel, int8=precision == "int8")
+    amp = hold_for_decoding(models, dev, precision, amp)
     if output:  # a folder or an unwritable path fails now, not after the evaluation (nor before the run loads)
         output.parent.mkdir(parents=True, exist_ok=True)
         open(output, "a").close()
@@ -210,6 +211,7 @@ def generate(
     loaded, models = load_ensemble(ensemble_runs(run, ensemble), dev if on_tformer else "cpu",
                                    accel if on_tformer else "off", int8=on_tformer and precision == "int8")
     ct2 = None if on_tformer else CTranslate2Engine(loaded, dev, precision)
+    amp = hold_for_decoding(models, dev, precision, amp) if on_tformer else None
     layers = min(len(model.decoder.layers) for model in models.models)
     if align_layer is not None and align_layer > layers:
         raise UsageError(f"--align-layer {align_layer}: the model has {layers} decoder layers")

@@ -6,6 +6,7 @@ The checks run before any model or data is loaded and raise one-line ``UsageErro
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -66,6 +67,26 @@ def decoding_autocast(device, precision: str):
     if slow:
         warn(f"--precision {slow}; use --precision fp32")
     return amp
+
+
+def held_in_bf16(device, precision: str) -> bool:
+    """Whether decoding holds the models in bf16 instead of running them under autocast: with
+    ``--precision bf16`` on a GPU, as inference engines do. Autocast casts the activations entering
+    each linear layer, a kernel each; held in bf16, greedy decoding of base as CUDA graphs is 1.28x
+    faster on an H200, and Multi30k's test2016 BLEU stays within 0.1 of autocast's (benchmarks/README.md)."""
+    return device.type == "cuda" and precision == "bf16"
+
+
+def hold_for_decoding(models, device, precision: str, amp):
+    """The context to decode in: none, with the models now held in bf16, where ``held_in_bf16``;
+    elsewhere the autocast context ``amp`` from ``decoding_autocast``."""
+    import torch
+
+    if not held_in_bf16(device, precision):
+        return amp
+    for model in models.models:
+        model.to(torch.bfloat16)
+    return nullcontext()
 
 
 def check_image_name(option: str, path: Path | None) -> None:
