@@ -2,7 +2,8 @@
 # Every GPU figure the docs report, on one CUDA machine, all at once or a step at a time:
 #
 #   bash benchmarks/gpu.sh [STEP...]        steps: tests syncs profile suite paper train (default: all, ~27 min on an H100)
-#                                           paper-train and paper-decode: paper's two halves, for time-limited calls
+#                                           paper-train and paper-decode: paper's two halves, for time-limited calls;
+#                                           profile-decode: profile's decoding half (~40 s)
 #
 # tests   the CUDA tests: kernels against the explicit path, CUDA against the CPU, autocast training,
 #         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one
@@ -58,6 +59,9 @@ paper() { paper-train; paper-decode; }
 
 profile() {
     "$PYTHON" benchmarks/profile_step.py --device cuda
+}
+profile-decode() {
+    "$PYTHON" benchmarks/profile_step.py --device cuda --no-train
 }
 
 syncs() {
@@ -116,9 +120,9 @@ EOF
 for step in "${@:-tests syncs profile suite paper train}"; do
     for one in $step; do
         case $one in
-            tests|syncs|profile|suite|paper|paper-train|paper-decode|train)
+            tests|syncs|profile|profile-decode|suite|paper|paper-train|paper-decode|train)
                 echo "== $one $(date -u +%H:%M:%S)"; $one 2>&1 | tee "$RESULTS/$one.log" ;;
-            *) echo "unknown step $one: choose from tests syncs profile suite paper paper-train paper-decode train" >&2; exit 2 ;;
+            *) echo "unknown step $one: choose from tests syncs profile profile-decode suite paper paper-train paper-decode train" >&2; exit 2 ;;
         esac
     done
 done
