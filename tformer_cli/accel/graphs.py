@@ -204,6 +204,9 @@ class BeamState:
         self.best_normalized.copy_(torch.where(better, normalized, self.best_normalized))
 
     def step(self, decoders: Decoders, min_len: int) -> None:
+        """One step of every sentence's K beams: the 2K best continuations, those ending in EOS among
+        the K best finishing hypotheses, the K best of the others continuing; then whether the
+        sentence is done."""
         K, position = self.K, decoders.position
         log_probs = decoders.log_probs(min_len)  # (B * K, V)
         B, V = self.scores.shape[0], log_probs.shape[-1]
