@@ -113,7 +113,9 @@ def test_decoding_replayed_as_cuda_graphs_equals_the_plain_loop(precision, beams
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
             return [h for [h] in decode_batch(model, src, options)]
 
-    graphed, plain = decode(True), decode(False)
+    graphed = decode(True)
+    assert graphs._enabled  # recorded: not fallen back to the plain loop
+    plain = decode(False)
     assert len(steps) == 2  # an eager step, then one recorded: every other step was a graph's replay
     assert max(len(h.tokens) for h in graphed) > 4
     assert [h.tokens for h in graphed] == [h.tokens for h in plain]
