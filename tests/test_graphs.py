@@ -46,7 +46,7 @@ def _both(model, src, options):
     limits = max_new_tokens(src, models.pad_id, options, models.max_len)
     encoded = models.encode(src)
     with torch.no_grad():
-        graphed = graphs.greedy(models.models, encoded, limits, options.min_len, capture=False)
+        graphed = graphs.greedy(models, encoded, limits, options.min_len, capture=False)
         plain = _greedy_loop(models, src, encoded, limits, options, None)[:3]
     return graphed, plain
 
@@ -85,7 +85,7 @@ def _beams(model, src, options):
     models = as_ensemble(model)
     limits = max_new_tokens(src, models.pad_id, options, models.max_len)
     with torch.no_grad():
-        tokens, lengths, scores, normalized = graphs.beam(models.models, models.encode(src), limits,
+        tokens, lengths, scores, normalized = graphs.beam(models, models.encode(src), limits,
                                                           options.beam_size, options.length_penalty,
                                                           options.min_len, capture=False)
     graphed = [(row[:n], s, z) for row, n, s, z in zip(tokens.tolist(), lengths.tolist(), scores.tolist(),
@@ -122,20 +122,25 @@ def test_the_static_beam_step_of_an_ensemble_finds_beam_searchs_best_hypotheses(
     assert [s for _, s, _ in graphed] == pytest.approx([s for _, s, _ in plain], rel=1e-9, abs=1e-9)
 
 
-def test_graphs_apply_only_to_plain_greedy_search_on_a_gpu_with_positions_in_the_embeddings(monkeypatch):
+def test_graphs_apply_only_to_plain_searches_on_a_gpu_with_positions_in_the_embeddings(monkeypatch):
     model, src = _model(1), _sources()
     monkeypatch.setattr(graphs, "_enabled", True)
     on_gpu = torch.empty(0, device="meta")  # stands for a CUDA tensor: only ``is_cuda`` is read
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type in ("cuda", "meta")))
-    assert graphs.applies([model], on_gpu, sample=False, plain=True)
-    assert not graphs.applies([model], src, sample=False, plain=True)  # a CPU tensor
-    assert not graphs.applies([model], on_gpu, sample=True, plain=True)
-    assert not graphs.applies([model], on_gpu, sample=False, plain=False)  # a prefix, n-gram ban or alignment
+    greedy, beams = DecodeOptions(), DecodeOptions(beam_size=4)
+    assert graphs.applies(Ensemble([model]), on_gpu, greedy) and graphs.applies(Ensemble([model]), on_gpu, beams)
+    assert not graphs.applies(Ensemble([model]), src, greedy)  # a CPU tensor
+    assert not graphs.applies(Ensemble([model]), on_gpu, DecodeOptions(sample=True))
+    # a prefix, an n-gram ban, an alignment or an n-best list
+    assert not graphs.applies(Ensemble([model]), on_gpu, greedy, prefix=src)
+    for plain_only in (DecodeOptions(no_repeat_ngram=3), DecodeOptions(align_layer=0),
+                       DecodeOptions(beam_size=4, nbest=2)):
+        assert not graphs.applies(Ensemble([model]), on_gpu, plain_only)
     for positional in ("rope", "alibi"):
-        assert not graphs.applies([_model(1, positional=positional)], on_gpu, sample=False, plain=True)
-    assert not graphs.applies([model.train()], on_gpu, sample=False, plain=True)
+        assert not graphs.applies(Ensemble([_model(1, positional=positional)]), on_gpu, greedy)
+    assert not graphs.applies(Ensemble([model.train()]), on_gpu, greedy)
     monkeypatch.setattr(graphs, "_enabled", False)
-    assert not graphs.applies([model.eval()], on_gpu, sample=False, plain=True)
+    assert not graphs.applies(Ensemble([model.eval()]), on_gpu, greedy)
 
 
 def test_greedy_decoding_on_a_cpu_takes_the_plain_loop(monkeypatch):

@@ -132,10 +132,9 @@ def greedy_or_sample(model: torch.nn.Module | Ensemble, src: Tensor, options: De
     models = as_ensemble(model)
     limits = max_new_tokens(src, models.pad_id, options, models.max_len, prefix)
     encoded = models.encode(src)
-    plain = prefix is None and not options.no_repeat_ngram and options.align_layer is None
     graphed = None
-    if graphs.applies(models.models, src, options.sample and options.temperature > 0, plain):
-        graphed = graphs.greedy(models.models, encoded, limits, options.min_len)  # None: it could not record
+    if graphs.applies(models, src, options, prefix):
+        graphed = graphs.greedy(models, encoded, limits, options.min_len)  # None: it could not record
     if graphed is not None:
         (out, lengths, scores), aligned = graphed, None
     else:
@@ -268,9 +267,8 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
     alpha = options.length_penalty
     limits = max_new_tokens(src, models.pad_id, options, models.max_len, prefix)
     encoded = models.encode(src)  # (B, S, d): the K beams of a sentence share its cross-attention K/V
-    plain = prefix is None and not options.no_repeat_ngram and options.align_layer is None and options.nbest == 1
-    if graphs.applies(models.models, src, False, plain):  # on a GPU: each step replayed as a CUDA graph
-        best = graphs.beam(models.models, encoded, limits, K, alpha, options.min_len)  # None: it could not record
+    if graphs.applies(models, src, options, prefix):  # on a GPU: each step replayed as a CUDA graph
+        best = graphs.beam(models, encoded, limits, K, alpha, options.min_len)  # None: it could not record
         if best is not None:
             tokens, lengths, scores, normalized = (t.tolist() for t in best)
             return [[Hypothesis(row[:n], s, z)] for row, n, s, z in zip(tokens, lengths, scores, normalized)]

@@ -41,11 +41,14 @@ class Ensemble:
             log_probs.append(model.logits(decoded.hidden[:, -1]).float().log_softmax(dim=-1))
             if align_layer is not None:
                 attention.append(decoded.cross_attention[align_layer][:, :, -1].float().mean(dim=1))
-        if len(log_probs) > 1:
-            averaged = torch.logsumexp(torch.stack(log_probs), dim=0) - math.log(len(log_probs))
-        else:
-            averaged = log_probs[0]
-        return averaged, (sum(attention) / len(attention) if attention else None)
+        return average_log_probs(log_probs), (sum(attention) / len(attention) if attention else None)
+
+
+def average_log_probs(log_probs: list[Tensor]) -> Tensor:
+    """The log of the models' averaged probabilities, from each model's log-probabilities."""
+    if len(log_probs) == 1:
+        return log_probs[0]
+    return torch.logsumexp(torch.stack(log_probs), dim=0) - math.log(len(log_probs))
 
 
 class EnsembleCache:

@@ -29,7 +29,6 @@ warning, where a step cannot be recorded.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -37,6 +36,8 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
+from tformer_cli.ensemble import Ensemble, average_log_probs
+from tformer_cli.model.transformer import DecoderCache
 from tformer_cli.tokenizer import BOS_ID, EOS_ID
 
 CHECK_EVERY = 4  # steps between the host's reads of "has every sentence finished?"
@@ -57,11 +58,14 @@ def supports(model: torch.nn.Module) -> bool:
             and (embed.table is not None or embed.learned is not None))
 
 
-def applies(models: list[torch.nn.Module], src: Tensor, sample: bool, plain: bool) -> bool:
-    """Whether greedy or beam search over ``src`` runs as CUDA graphs: the piece on, ``src`` on a GPU,
-    no sampling (``sample``), no rule beyond min_len that the loops apply per step or hypothesis
-    (``plain``: no prefix, n-gram ban, alignment or n-best list), every model supported."""
-    return _enabled and src.is_cuda and not sample and plain and all(supports(m) for m in models)
+def applies(models: Ensemble, src: Tensor, options, prefix: Tensor | None = None) -> bool:
+    """Whether greedy or beam search over ``src`` with ``options`` (``decoding.DecodeOptions``) runs as
+    CUDA graphs: the piece on, ``src`` on a GPU, every model supported, and no rule that the plain
+    loops apply per step or hypothesis beyond min_len: no sampling, ``prefix``, n-gram ban, alignment
+    or n-best list."""
+    plain = (not (options.sample and options.temperature > 0) and prefix is None and not options.no_repeat_ngram
+             and options.align_layer is None and options.nbest == 1)
+    return _enabled and src.is_cuda and plain and all(supports(m) for m in models.models)
 
 
 class StaticKVCache:
@@ -92,55 +96,45 @@ class StaticKVCache:
         self.v.copy_(self.v.index_select(0, index))
 
 
-class StaticLayerCache:
-    """What ``DecoderLayer`` reads from a cache: ``self_kv`` and the cross-attention ``memory_kv`` (one
-    row per source: the beams of a source attend to it together, as in ``DecoderCache``)."""
-
-    def __init__(self, layer: torch.nn.Module, memory: Tensor, capacity: int, position: Tensor) -> None:
-        dtype_for = layer.self_attn.attention.cache_dtype
-        self.self_kv = StaticKVCache(capacity, position, dtype_for)
-        self.memory_kv = tuple(t.to(dtype_for(t)).contiguous() for t in layer.cross_attn.project_memory(memory))
-
-
 class Decoders:
-    """The models' decoders stepping together over static caches, for ``rows`` rows of ``L`` steps."""
+    """The models' decoders stepping together over static caches, for ``rows`` rows of ``L`` steps:
+    each model's ``DecoderCache`` (cross-attention keys and values, the source mask) with a
+    ``StaticKVCache`` for each layer's self-attention."""
 
-    def __init__(self, models: list[torch.nn.Module], encoded: list, rows: int, L: int) -> None:
+    def __init__(self, models: Ensemble, encoded: list, rows: int, L: int) -> None:
         device = encoded[0].memory.device
-        self.models = models
+        self.models = models.models
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # the step's index
         self.last = torch.full((rows, 1), BOS_ID, dtype=torch.long, device=device)  # the newest tokens
         self.slots = torch.arange(L, device=device)  # cache slots, for the mask of those written
-        self.caches = [[StaticLayerCache(layer, e.memory, L, self.position) for layer in m.decoder.layers]
-                       for m, e in zip(models, encoded)]
-        self.memory_masks = [None if bool(e.mask.all()) else e.mask for e in encoded]  # None: no padding
+        self.caches = models.start_cache(encoded, L).caches
+        for layer in (layer for cache in self.caches for layer in cache.layers):
+            layer.self_kv = StaticKVCache(L, self.position, layer.self_kv.dtype_for)
 
     def log_probs(self, min_len: int) -> Tensor:
         """(rows, V) log-probabilities of the next token (an ensemble's: the average of the models'
         probabilities), EOS forbidden before ``min_len`` tokens."""
-        per_model = [self._log_probs(m, mask, c) for m, mask, c in zip(self.models, self.memory_masks, self.caches)]
-        log_probs = per_model[0] if len(per_model) == 1 else \
-            torch.logsumexp(torch.stack(per_model), dim=0) - math.log(len(per_model))
+        log_probs = average_log_probs([self._log_probs(m, c) for m, c in zip(self.models, self.caches)])
         if min_len:
             log_probs[:, EOS_ID] = log_probs[:, EOS_ID].masked_fill(self.position < min_len, float("-inf"))
         return log_probs
 
-    def _log_probs(self, model: torch.nn.Module, memory_mask: Tensor | None, caches: list[StaticLayerCache]) -> Tensor:
+    def _log_probs(self, model: torch.nn.Module, cache: DecoderCache) -> Tensor:
         """One model's decoder over the newest tokens at ``position``, attending to the cache slots
         written so far and to the sources."""
         embed = model.decoder.embed
         table = embed.table if embed.table is not None else embed.learned.weight
         x = embed.embedding(self.last) * embed.scale + table.index_select(0, self.position)  # (rows, 1, d_model)
         self_mask = (self.slots <= self.position)[None, None, None, :]  # (1, 1, 1, L)
-        for layer, cache in zip(model.decoder.layers, caches):
-            x, _, _ = layer(x, None, self_mask, memory_mask, is_causal=False, cache=cache)
+        for layer, layer_cache in zip(model.decoder.layers, cache.layers):
+            x, _, _ = layer(x, None, self_mask, cache.memory_mask, is_causal=False, cache=layer_cache)
         return model.logits(model.decoder.final_norm(x)[:, -1]).float().log_softmax(dim=-1)
 
     def advance(self, token: Tensor, origin: Tensor | None = None) -> None:
         """Feed ``token`` (rows,) at the next step; with ``origin``, row i continues row ``origin[i]``."""
         if origin is not None:
-            for cache in (c for model_caches in self.caches for c in model_caches):
-                cache.self_kv.reorder(origin)
+            for layer in (layer for cache in self.caches for layer in cache.layers):
+                layer.self_kv.reorder(origin)
         self.last.copy_(token[:, None])
         self.position += 1
 
@@ -287,7 +281,7 @@ def _record(step: Callable[[], None]) -> Callable[[], None]:
 
 
 @torch.inference_mode()
-def greedy(models: list[torch.nn.Module], encoded: list, limits: Tensor, min_len: int = 0,
+def greedy(models: Ensemble, encoded: list, limits: Tensor, min_len: int = 0,
            capture: bool = True) -> tuple[Tensor, Tensor, Tensor] | None:
     """Greedy search over encoded sources; ``limits`` (B,) caps each output's length. Returns the
     tokens (B, L) (EOS-padded), the lengths (B,) and the scores (B,), as ``greedy_or_sample`` keeps
@@ -301,7 +295,7 @@ def greedy(models: list[torch.nn.Module], encoded: list, limits: Tensor, min_len
 
 
 @torch.inference_mode()
-def beam(models: list[torch.nn.Module], encoded: list, limits: Tensor, beams: int, alpha: float,
+def beam(models: Ensemble, encoded: list, limits: Tensor, beams: int, alpha: float,
          min_len: int = 0, capture: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
     """Beam search over encoded sources, ``beams`` beams a sentence, GNMT penalty ``alpha``; ``limits``
     (B,) caps each output's length. Returns each sentence's best hypothesis: its tokens (B, L), length
