@@ -105,45 +105,37 @@ def main() -> None:
     device = torch.device(args.device)
     size = systems.SIZES[args.size]
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else nullcontext
-    batches = systems.paper_batches(size, args.tokens, args.steps, device)
-    print(f"{size.name} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch "
-          f"{torch.__version__}: {len(batches)} batches, {sum(b.target_tokens for b in batches) // len(batches):,} "
-          "target tokens each on average")
+    print(f"{size.name} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
     systems.ACCEL_SKIP = ()
     systems.PRECISION = "bf16" if device.type == "cuda" else "fp32"
-    systems.HOLD_FOR_DECODING = False  # autocast first; then greedy with the model held in bf16
+    systems.HOLD_FOR_DECODING = False  # autocast first; then the model held in bf16
     decoder = systems.Tformer(size, device)
-    sources = systems.paper_sources(size, args.sentences, 8192, device)  # the paper-scale decoding workload's
-    src, new_tokens = sources[len(sources) // 2]  # one of middling length
+    decodes = []  # (workload, one batch of it decoded)
+    for label, batch_tokens, beams in (("greedy", 8192, 1), ("beam 4", 2048, 4)):  # as --scale paper batches them
+        sources = systems.paper_sources(size, args.sentences, batch_tokens, device)
+        src, new_tokens = sources[len(sources) // 2]  # a batch of middling length
 
-    def greedy():
-        with autocast(), torch.no_grad():
-            decoder.greedy(src, new_tokens)
+        def decode(src=src, new_tokens=new_tokens, beams=beams):
+            with autocast(), torch.no_grad():
+                decoder.greedy(src, new_tokens) if beams == 1 else decoder.beam(src, new_tokens, beams)
 
-    beam_sources = systems.paper_sources(size, args.sentences, 2048, device)  # the beam workload's batches
-    beam_src, beam_new = beam_sources[len(beam_sources) // 2]
-
-    def beam():
-        with autocast(), torch.no_grad():
-            decoder.beam(beam_src, beam_new, 4)
-
-    for label, run, (rows, length, new) in (("greedy", greedy, (*src.shape, new_tokens)),
-                                            ("beam 4", beam, (*beam_src.shape, beam_new))):
-        workload = f"{label}, {rows} sources of {length} tokens, {new} new tokens"
+        decodes.append((f"{label}, {src.shape[0]} sources of {src.shape[1]} tokens, {new_tokens} new tokens", decode))
+    for workload, decode in decodes:
         if device.type == "cuda":  # the plain loop first: the speed layer's CUDA graphs left out
             graphs.enable(False)
-            measure(f"{workload}, a step at a time (--accel-skip graphs)", run, device, steps=2, warmup=1)
+            measure(f"{workload}, a step at a time (--accel-skip graphs)", decode, device, steps=2, warmup=1)
             graphs.enable(True)
-        measure(workload, run, device, steps=2, warmup=1)
+        measure(workload, decode, device, steps=2, warmup=1)
     if device.type == "cuda":  # held in bf16, as `tformer eval --precision bf16` decodes: no autocast casts
         systems.HOLD_FOR_DECODING = True
-        for label, run, (rows, length, new) in (("greedy", greedy, (*src.shape, new_tokens)),
-                                                ("beam 4", beam, (*beam_src.shape, beam_new))):
-            measure(f"{label}, {rows} sources of {length} tokens, {new} new tokens, the model in bf16", run, device,
-                    steps=2, warmup=1)
+        for workload, decode in decodes:
+            measure(f"{workload}, the model in bf16", decode, device, steps=2, warmup=1)
     del decoder
     if args.no_train:
         return
+    batches = systems.paper_batches(size, args.tokens, args.steps, device)
+    print(f"\ntraining: {len(batches)} batches, {sum(b.target_tokens for b in batches) // len(batches):,} target "
+          "tokens each on average")
     variants = [("train, eager", systems.Tformer, ()), ("train, eager, the loss unfused", systems.Tformer, ("loss",))]
     if not args.no_compile:
         variants.append(("train, compiled (train.compile)", systems.TformerCompiled, ()))
