@@ -62,7 +62,9 @@ def decoding_autocast(device, precision: str):
         if device.type != "cpu":
             raise UsageError("--precision int8: int8 weights are for CPUs; on a GPU use --precision bf16")
         return autocast(device, "fp32")
-    amp = autocast(device, precision)  # raises on an unknown precision
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise UsageError(f"--precision {precision}: use fp32, bf16 or fp16 (or int8, int8 weights on a CPU)")
+    amp = autocast(device, precision)
     slow = slow_precision(device, precision)
     if slow:
         warn(f"--precision {slow}; use --precision fp32")
