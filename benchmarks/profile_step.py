@@ -11,6 +11,12 @@ it prints the wall time a step, the device's kernel time a step and their ratio 
 is: well under 1 means it waits for the host), the kernel time by kind (matrix products, attention,
 the loss, elementwise and normalisation, the optimizer), and the ten costliest kernels. Training runs
 the suite's paper-scale batches (``systems.paper_batches``), under bf16 autocast on CUDA.
+
+Experiments, each an extra training variant: ``--attention efficient,cudnn`` runs the eager step with
+torch's attention held to each of those kernels (``torch.nn.attention.sdpa_kernel``), and
+``--inductor coordinate_descent_tuning=true`` compiles once more with those inductor settings, and
+``--bf16-stream`` trains eager and compiled with the residual stream in bf16 (each embedding's and layer
+norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -92,6 +99,39 @@ def measure(label: str, step, device: torch.device, steps: int, warmup: int) -> 
         print(f"   {us / steps / 1e3:8.2f} ms  {us / total:5.1%}  {name}")
 
 
+def inductor_settings(text: str) -> dict[str, object]:
+    """"a=true,b=4" -> {"a": True, "b": 4}: torch._inductor.config settings for a compiled variant."""
+    import torch._inductor.config as inductor
+
+    settings = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if not hasattr(inductor, key):
+            raise SystemExit(f"--inductor {item}: torch {torch.__version__}'s inductor has no setting {key!r}")
+        settings[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    return settings
+
+
+def bf16_stream(model: torch.nn.Module) -> None:
+    """Cast the output of the model's embeddings and layer norms to bf16: the residual stream, which
+    autocast keeps in fp32 (embedding lookups and layer norms run in fp32 under it), is then bf16."""
+    from tformer_cli.model.layers import TokenEmbedding
+
+    for module in model.modules():
+        if isinstance(module, (TokenEmbedding, torch.nn.LayerNorm)):
+            module.register_forward_hook(lambda module, args, out: out.to(torch.bfloat16))
+
+
+def attention_backends(text: str) -> list[SDPBackend]:
+    """"efficient,cudnn" -> those SDPA backends."""
+    names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    unknown = [name for name in filter(None, text.split(",")) if name not in names]
+    if unknown:
+        raise SystemExit(f"--attention {','.join(unknown)}: choose from {', '.join(names)}")
+    return [names[name] for name in filter(None, text.split(","))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -101,6 +141,12 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=3000, help="the decoding test set, batched as --scale paper does")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled training step")
     parser.add_argument("--no-train", action="store_true", help="profile decoding only")
+    parser.add_argument("--attention", type=attention_backends, default=[],
+                        help="eager variants with attention held to these kernels: flash, efficient, cudnn, math")
+    parser.add_argument("--inductor", type=inductor_settings, default={},
+                        help="a compiled variant with these inductor settings, e.g. coordinate_descent_tuning=true")
+    parser.add_argument("--bf16-stream", action="store_true",
+                        help="eager and compiled variants with the residual stream in bf16")
     args = parser.parse_args()
     device = torch.device(args.device)
     size = systems.SIZES[args.size]
@@ -136,16 +182,38 @@ def main() -> None:
     batches = systems.paper_batches(size, args.tokens, args.steps, device)
     print(f"\ntraining: {len(batches)} batches, {sum(b.target_tokens for b in batches) // len(batches):,} target "
           "tokens each on average")
-    variants = [("train, eager", systems.Tformer, ()), ("train, eager, the loss unfused", systems.Tformer, ("loss",))]
+    # (label, system, speed-layer pieces left out, attention kernel or None, inductor settings, bf16 stream)
+    variants = [("train, eager", systems.Tformer, (), None, {}, False),
+                ("train, eager, the loss unfused", systems.Tformer, ("loss",), None, {}, False)]
+    variants += [(f"train, eager, attention by {b.name}", systems.Tformer, (), b, {}, False) for b in args.attention]
+    if args.bf16_stream and device.type != "cuda":
+        raise SystemExit("--bf16-stream: training runs under bf16 autocast on CUDA only; this is --device cpu")
+    if args.bf16_stream:
+        variants.append(("train, eager, residual stream in bf16", systems.Tformer, (), None, {}, True))
     if not args.no_compile:
-        variants.append(("train, compiled (train.compile)", systems.TformerCompiled, ()))
-    for label, system_class, skip in variants:
+        variants.append(("train, compiled (train.compile)", systems.TformerCompiled, (), None, {}, False))
+        if args.bf16_stream:
+            variants.append(("train, compiled, residual stream in bf16", systems.TformerCompiled, (), None, {}, True))
+    if args.inductor:
+        settings = ", ".join(f"{key}={value}" for key, value in args.inductor.items())
+        variants.append((f"train, compiled with {settings}", systems.TformerCompiled, (), None, args.inductor, False))
+    for label, system_class, skip, backend, settings, stream in variants:
         systems.ACCEL_SKIP = skip  # speed-layer pieces left out (the fused loss is a GPU piece)
         system = system_class(size, device)
+        if stream:
+            bf16_stream(system.model)
         batch = itertools.cycle(batches)
+        kernels = (lambda backend=backend: sdpa_kernel(backend)) if backend is not None else nullcontext
+        torch._dynamo.reset()  # each compiled variant compiles afresh, not from the graphs of the one before
+        if settings:
+            import torch._inductor.config as inductor
 
-        def train_step(system=system, batch=batch):
-            with autocast():
+            inductor_patch = inductor.patch(settings)
+        else:
+            inductor_patch = nullcontext()
+
+        def train_step(system=system, batch=batch, kernels=kernels, inductor_patch=inductor_patch):
+            with autocast(), kernels(), inductor_patch:
                 system.train_step(next(batch))
 
         try:
