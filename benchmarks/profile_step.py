@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=3000, help="the decoding test set, batched as --scale paper does")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled training step")
     parser.add_argument("--no-train", action="store_true", help="profile decoding only")
+    parser.add_argument("--no-decode", action="store_true", help="profile training only")
     parser.add_argument("--attention", type=attention_backends, default=[],
                         help="eager variants with attention held to these kernels: flash, efficient, cudnn, math")
     parser.add_argument("--inductor", type=inductor_settings, default={},
@@ -157,7 +158,7 @@ def main() -> None:
     systems.HOLD_FOR_DECODING = False  # autocast first; then the model held in bf16
     decoder = systems.Tformer(size, device)
     decodes = []  # (workload, one batch of it decoded)
-    for label, batch_tokens, beams in (("greedy", 8192, 1), ("beam 4", 2048, 4)):  # as --scale paper batches them
+    for label, batch_tokens, beams in () if args.no_decode else (("greedy", 8192, 1), ("beam 4", 2048, 4)):  # as --scale paper batches them
         sources = systems.paper_sources(size, args.sentences, batch_tokens, device)
         src, new_tokens = sources[len(sources) // 2]  # a batch of middling length
 
