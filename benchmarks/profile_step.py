@@ -158,7 +158,8 @@ def main() -> None:
     systems.HOLD_FOR_DECODING = False  # autocast first; then the model held in bf16
     decoder = systems.Tformer(size, device)
     decodes = []  # (workload, one batch of it decoded)
-    for label, batch_tokens, beams in () if args.no_decode else (("greedy", 8192, 1), ("beam 4", 2048, 4)):  # as --scale paper batches them
+    workloads = () if args.no_decode else (("greedy", 8192, 1), ("beam 4", 2048, 4))
+    for label, batch_tokens, beams in workloads:  # as --scale paper batches them
         sources = systems.paper_sources(size, args.sentences, batch_tokens, device)
         src, new_tokens = sources[len(sources) // 2]  # a batch of middling length
 

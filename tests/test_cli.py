@@ -287,6 +287,22 @@ def test_average_and_plot_commands_on_a_run(tmp_path):
     assert find_weights(averaged) == (run, averaged / "model.safetensors")
     generated = runner.invoke(app, ["generate", str(averaged), "seven"])
     assert generated.exit_code == 0 and len(generated.stdout.splitlines()) == 1
+    outside = runner.invoke(app, ["average", str(run / "checkpoints" / "step-00000006"), "--last", "2",
+                                  "--output", str(tmp_path / "average")])  # a checkpoint names its run, too
+    assert outside.exit_code == 0, outside.output
+    assert {p.name for p in (tmp_path / "average").iterdir()} == {"model.safetensors", "config.yaml", "tokenizer.json"}
+    assert (tmp_path / "average" / "model.safetensors").read_bytes() == (averaged / "model.safetensors").read_bytes()
+    standalone = runner.invoke(app, ["generate", str(tmp_path / "average"), "seven"])
+    assert standalone.exit_code == 0 and standalone.stdout == generated.stdout
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "tokenizer.json").write_text("{}")
+    refused = runner.invoke(app, ["average", str(run), "--last", "2", "--output", str(foreign)])
+    assert refused.exit_code == 1 and "holds a tokenizer.json of its own" in refused.output
+    assert [p.name for p in foreign.iterdir()] == ["tokenizer.json"]
+    assert (foreign / "tokenizer.json").read_text() == "{}"
+    other_run = runner.invoke(app, ["average", str(run), "--last", "2", "--output", str(tmp_path / "average" / "x")])
+    assert other_run.exit_code == 1 and "inside another run folder" in other_run.output
     best = choose_checkpoints(run, best=1)
     assert len(best) == 1
     with pytest.raises(UsageError):

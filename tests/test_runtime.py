@@ -15,18 +15,21 @@ def test_averaging_two_checkpoints_gives_the_element_wise_mean(tmp_path):
     models = [build_model(tiny_model_config(), 30) for _ in range(2)]
     for step, model in enumerate(models, start=1):
         save_checkpoint(tmp_path, step, model, {"state": {}}, keep_last=5)
-    folder = average_checkpoints(step_checkpoints(tmp_path), tmp_path / "avg")
+    (tmp_path / "config.yaml").write_text("model: {}\n")  # the run folder's files, copied beside an average outside it
+    (tmp_path / "tokenizer.json").write_text("{}")
+    folder = average_checkpoints(step_checkpoints(tmp_path), tmp_path / "avg", tmp_path)
     averaged = build_model(tiny_model_config(), 30)
     load_weights(averaged, folder / "model.safetensors")
     for (name, a), b, c in zip(averaged.state_dict().items(), models[0].state_dict().values(),
                                models[1].state_dict().values()):
         torch.testing.assert_close(a, (b + c) / 2, msg=name)
     assert averaged.output_proj.weight is averaged.encoder.embed.embedding.weight  # still tied
-    assert average_checkpoints(step_checkpoints(tmp_path)[:1], folder) == folder  # an average may be replaced
+    assert not (folder / "config.yaml").exists()  # inside the run: eval and generate find the run's config above it
+    assert average_checkpoints(step_checkpoints(tmp_path)[:1], folder, tmp_path) == folder  # an average may be replaced
     checkpoint = step_checkpoints(tmp_path)[0]
     weights = (checkpoint / "model.safetensors").read_bytes()
     with pytest.raises(UsageError, match="holds weights that are not an average"):
-        average_checkpoints(step_checkpoints(tmp_path), checkpoint)
+        average_checkpoints(step_checkpoints(tmp_path), checkpoint, tmp_path)
     assert (checkpoint / "model.safetensors").read_bytes() == weights
 
 

@@ -214,7 +214,9 @@ def average(
     best: Annotated[Optional[int],
                     typer.Option(help="Average the N checkpoints with the best validation metric.")] = None,
     metric: Annotated[str, typer.Option(help="loss | bleu, for --best.")] = "loss",
-    output: Annotated[Optional[Path], typer.Option(help="Folder (default RUN/checkpoints/average-last-N).")] = None,
+    output: Annotated[Optional[Path], typer.Option(
+        help="Folder (default RUN/checkpoints/average-last-N); outside RUN it also gets the run's config and "
+             "tokenizer.")] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Average checkpoint weights into a new checkpoint that eval and generate accept.
@@ -224,13 +226,14 @@ def average(
       tformer eval runs/multi30k/checkpoints/average-last-5 --beam-size 5
     """
     from tformer_cli.render import console, print_json
-    from tformer_cli.runtime import average_checkpoints, choose_checkpoints
+    from tformer_cli.runtime import average_checkpoints, choose_checkpoints, run_folder_of
 
     if metric not in ("loss", "bleu"):
         raise UsageError(f"--metric {metric}: expected loss or bleu")
+    run = run_folder_of(run)
     chosen = choose_checkpoints(run, last, best, metric)
     name = f"average-last-{last}" if last is not None else f"average-best-{best}-{metric}"
-    folder = average_checkpoints(chosen, output or Path(run) / "checkpoints" / name)
+    folder = average_checkpoints(chosen, output or run / "checkpoints" / name, run)
     if json_output:
         print_json({"checkpoint": str(folder), "averaged": [c.name for c in chosen]})
     else:

@@ -229,7 +229,7 @@ def find_weights(path: Path) -> tuple[Path, Path]:
     if not path.exists():
         raise CheckpointError(f"{path}: no such run folder; train one with `tformer train CONFIG`")
     if path.is_file():
-        return _run_of(path.parent), path
+        return run_folder_of(path.parent), path
     if (path / CONFIG).is_file():
         if (path / WEIGHTS).is_file():
             return path, path / WEIGHTS
@@ -238,11 +238,12 @@ def find_weights(path: Path) -> tuple[Path, Path]:
             return path, steps[-1] / WEIGHTS
         raise CheckpointError(f"{path}: the run has no weights yet; train it first (tformer train --resume {path})")
     if (path / WEIGHTS).is_file():
-        return _run_of(path), path / WEIGHTS
+        return run_folder_of(path), path / WEIGHTS
     raise CheckpointError(f"{path}: neither a run folder nor a checkpoint (no config.yaml or {WEIGHTS})")
 
 
-def _run_of(folder: Path) -> Path:
+def run_folder_of(folder: Path) -> Path:
+    """The run folder that ``folder`` is (or is a checkpoint inside): it, its parent or theirs."""
     for candidate in (folder, folder.parent, folder.parent.parent):
         if (candidate / CONFIG).is_file():
             return candidate
@@ -315,9 +316,11 @@ def _need_checkpoints(run_dir: Path, flag: str, count: int, found: int, what: st
                          f"or keep more with train.keep_last")
 
 
-def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
+def average_checkpoints(checkpoints: list[Path], output: Path, run_dir: Path) -> Path:
     """Element-wise mean of the checkpoints' weights (as the paper and fairseq do), saved atomically
-    in the folder ``output``, which is returned: eval and generate take it as a checkpoint."""
+    in the folder ``output``, which is returned: eval and generate take it as a checkpoint. Inside the
+    run folder ``run_dir`` they find the run's config and tokenizer above it; elsewhere the folder gets
+    copies of them, a run folder of its own."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
@@ -325,6 +328,17 @@ def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
         with safe_open(str(output / WEIGHTS), "pt") as existing:
             if "averaged" not in (existing.metadata() or {}):
                 raise UsageError(f"--output {output}: holds weights that are not an average; pick another folder")
+    run_files = [CONFIG, *Vocabulary.files(run_dir)]
+    owner = next((folder for folder in (output, output.parent, output.parent.parent) if (folder / CONFIG).is_file()),
+                 None)  # the run folder that eval and generate would take the average's config from
+    standalone = owner is None or owner.resolve() != Path(run_dir).resolve()
+    if standalone and owner is not None and not (owner == output and _same_files(output, run_dir, run_files)):
+        raise UsageError(f"--output {output}: inside another run folder ({owner}), whose config and tokenizer "
+                         f"would go with these weights; pick a folder inside {run_dir} or outside any run")
+    clashes = [name for name in run_files if (output / name).exists() and not _same_files(output, run_dir, [name])]
+    if standalone and clashes:
+        raise UsageError(f"--output {output}: holds a {clashes[0]} of its own, which the average would need to "
+                         "replace; pick another folder")
     total: dict[str, torch.Tensor] = {}
     for checkpoint in checkpoints:
         try:
@@ -342,4 +356,14 @@ def average_checkpoints(checkpoints: list[Path], output: Path) -> Path:
     output.mkdir(parents=True, exist_ok=True)
     with replacing(output / WEIGHTS) as tmp:
         save_file(average, str(tmp), metadata={"averaged": ",".join(c.name for c in checkpoints)})
+    if standalone:  # the weights first: a folder with a config but no weights is not taken for a run
+        for name in run_files:
+            with replacing(output / name) as tmp:
+                shutil.copyfile(Path(run_dir) / name, tmp)
     return output
+
+
+def _same_files(folder: Path, other: Path, names: list[str]) -> bool:
+    """Whether ``folder`` holds each of ``names`` with the same bytes as ``other`` does."""
+    return all((folder / name).is_file() and (folder / name).read_bytes() == (other / name).read_bytes()
+               for name in names)

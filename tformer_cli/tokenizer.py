@@ -89,6 +89,11 @@ class Vocabulary:
         for name, tokenizer in files.items():
             write_text_atomic(folder / name, tokenizer.to_str())
 
+    @staticmethod
+    def files(folder: Path) -> list[str]:
+        """The names of the tokenizer files saved in ``folder``."""
+        return [JOINT_FILE] if (Path(folder) / JOINT_FILE).is_file() else [SOURCE_FILE, TARGET_FILE]
+
     @classmethod
     def load(cls, folder: Path) -> "Vocabulary":
         """Raises CheckpointError (one line) for a missing or unreadable tokenizer file."""
