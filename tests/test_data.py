@@ -20,6 +20,19 @@ def _jsonl(path, rows):
     return str(path)
 
 
+def test_a_line_that_is_not_json_names_its_file_and_prints_nothing_else(tmp_path, capfd):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    _jsonl(folder / "validation.jsonl", ROWS)
+    (folder / "train.jsonl").write_text(open(_jsonl(folder / "train.jsonl", ROWS)).read() + '{"de": "x"\n')
+    parser = r"JSON parse error: Missing a comma or '}' after an object member"  # pyarrow's words, not pandas'
+    with pytest.raises(DataError, match=rf"could not read .*corpus/train.jsonl of the dataset folder .*: {parser}"):
+        load_pairs(DataConfig(dataset=str(folder), source="de", target="en"), "train")
+    with pytest.raises(DataError, match=rf"could not read .*corpus/train.jsonl as json: {parser}"):
+        load_pairs(DataConfig(data_files={"train": str(folder / "train.jsonl")}, source="de", target="en"), "train")
+    assert capfd.readouterr().err == ""  # datasets logs the file it failed on: that line is not shown
+
+
 def test_jsonl_csv_parquet_and_gzip_give_the_same_pairs(tmp_path):
     import pandas as pd
 

@@ -158,22 +158,54 @@ def _load_files(fmt: str, files: list[str]):
 
     _check_files(files)
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error lines repeat the one raised
+    failed: list[str] = []
     try:
-        return datasets.load_dataset(fmt, data_files={"split": files}, split="split")
+        with _datasets_errors(failed):
+            return datasets.load_dataset(fmt, data_files={"split": files}, split="split")
     except Exception as exc:  # datasets raises many kinds for unreadable files, the cause chained inside
         cause = _root_cause(exc)
         if isinstance(cause, UnicodeDecodeError):
             raise cause from None  # load_pairs names the files
+        where = failed[-1] if failed else ", ".join(files)
         if "invalid utf8" in str(cause).lower():  # pyarrow's csv reader, which has no exception of its own for it
-            raise DataError(f"{', '.join(files)}: not UTF-8 text ({first_line(cause)}); convert the data to UTF-8, "
+            raise DataError(f"{where}: not UTF-8 text ({first_line(cause)}); convert the data to UTF-8, "
                             "e.g. iconv -t UTF-8") from None
-        raise DataError(f"could not read {', '.join(files)} as {fmt}: {first_line(cause)}") from exc
+        raise DataError(f"could not read {where} as {fmt}: {first_line(_parser_error(exc))}") from exc
+
+
+@contextmanager
+def _datasets_errors(failed: list[str]) -> Iterator[None]:
+    """Keep datasets' error lines off the terminal (the error raised says it once), noting in ``failed``
+    the files they name: its readers log the file that failed, then raise an error without it."""
+    import logging
+    import re
+
+    class FileNames(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            named = re.search(r"from file '([^']+)'|read file '([^']+)'", record.getMessage())
+            if named:
+                failed.append(named.group(1) or named.group(2))
+
+    logger = logging.getLogger("datasets")
+    handlers, level = logger.handlers, logger.level
+    logger.handlers, logger.level = [FileNames()], logging.ERROR
+    try:
+        yield
+    finally:
+        logger.handlers, logger.level = handlers, level
 
 
 def _root_cause(exc: BaseException) -> BaseException:
     while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
         exc = exc.__cause__ or exc.__context__
+    return exc
+
+
+def _parser_error(exc: BaseException) -> BaseException:
+    """The error a file's parser raised, under datasets' wrappers: the end of the chain of explicit
+    causes (``raise ... from``); a fallback parser's failure hangs below it as mere context."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
     return exc
 
 
@@ -196,13 +228,17 @@ def _load_named(name: str, subset: str | None, split: str):
         raise DataError(f"data.dataset: no such folder '{name}'; check the path (relative paths start "
                         "from the current directory)")
     unreachable = None if local else _hub_unreachable()
+    failed: list[str] = []
     try:
-        with _hub_offline() if unreachable else nullcontext():
+        with _hub_offline() if unreachable else nullcontext(), _datasets_errors(failed):
             dataset = datasets.load_dataset(name, subset)
     except Exception as exc:
         wrong_subset = None if unreachable else _wrong_subset(name, subset)
         if wrong_subset:
             raise DataError(f"data.subset: {wrong_subset}") from exc
+        if local and failed:  # a file datasets could not parse: the file and the parser's own words
+            raise DataError(f"could not read {failed[-1]} of the dataset folder '{name}': "
+                            f"{first_line(_parser_error(exc))}") from exc
         if local:
             raise DataError(f"could not load the dataset folder '{name}': {first_line(exc)}") from exc
         why = (f": it is unreachable ({unreachable}) and the datasets cache has no copy;" if unreachable
