@@ -41,7 +41,7 @@ PrecisionOpt = Annotated[str, typer.Option(
 
 def check_decoding_flags(**flags) -> None:
     """One-line errors for out-of-range decoding flags (None: not given). The flags that set a decode
-    config key obey that key's range (config.DECODE_LIMITS)."""
+    config key obey that key's range (config.DECODE_LIMITS), whose YAML null is a flag left out."""
     from tformer_cli.config import DECODE_LIMITS
 
     at_least_one = (lambda v: v >= 1, ">= 1")
@@ -50,7 +50,7 @@ def check_decoding_flags(**flags) -> None:
     for name, value in flags.items():
         ok, expected = limits[name]
         if value is not None and not ok(value):
-            raise UsageError(f"--{name.replace('_', '-')} {value}: must be {expected}")
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be {expected.replace(' or null', '')}")
 
 
 def decoding_autocast(device, precision: str):
