@@ -10,7 +10,7 @@ import typer
 
 from tformer_cli.cli_options import (
     ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, JsonOpt, PrecisionOpt, RunArg,
-    check_decoding_flags, check_text, decoding_autocast, hold_for_decoding, stdin_lines)
+    check_decoding_flags, check_text, load_for_decoding, stdin_lines)
 from tformer_cli.errors import UsageError
 
 EnsembleOpt = Annotated[Optional[list[str]], typer.Option(
@@ -92,7 +92,7 @@ def eval_command(
     from tformer_cli.decoding import DecodeOptions
     from tformer_cli.evaluation import evaluate_run
     from tformer_cli.render import eval_table, print_json
-    from tformer_cli.runtime import load_ensemble, resolve_device
+    from tformer_cli.runtime import resolve_device
 
     check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_samples=max_samples,
                          length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram,
@@ -103,10 +103,8 @@ def eval_command(
         if not path.is_file():
             raise UsageError(f"--data-files {path}: no such file")
     dev = resolve_device(device or "auto")
-    amp = decoding_autocast(dev, precision)  # checked before the model is loaded
     runs = ensemble_runs(run, ensemble)
-    loaded, models = load_ensemble(runs, dev, accel, int8=precision == "int8")
-    amp = hold_for_decoding(models, dev, precision, amp)
+    loaded, models, amp = load_for_decoding(runs, dev, accel, precision)
     if output:  # a folder or an unwritable path fails now, not after the evaluation (nor before the run loads)
         output.parent.mkdir(parents=True, exist_ok=True)
         open(output, "a").close()
@@ -206,12 +204,12 @@ def generate(
         raise UsageError("--json-input reads standard input; drop the TEXTS arguments")
     check_text("--prefix", prefix)
     dev = resolve_device(device or "auto")
-    on_tformer = engine == "tformer"  # CTranslate2 converts the plain fp32 model
-    amp = decoding_autocast(dev, precision) if on_tformer else None
-    loaded, models = load_ensemble(ensemble_runs(run, ensemble), dev if on_tformer else "cpu",
-                                   accel if on_tformer else "off", int8=on_tformer and precision == "int8")
-    ct2 = None if on_tformer else CTranslate2Engine(loaded, dev, precision)
-    amp = hold_for_decoding(models, dev, precision, amp) if on_tformer else None
+    if engine == "tformer":
+        loaded, models, amp = load_for_decoding(ensemble_runs(run, ensemble), dev, accel, precision)
+        ct2 = None
+    else:  # CTranslate2 converts the plain fp32 model
+        loaded, models = load_ensemble([run], "cpu", "off")
+        ct2, amp = CTranslate2Engine(loaded, dev, precision), None
     layers = min(len(model.decoder.layers) for model in models.models)
     if align_layer is not None and align_layer > layers:
         raise UsageError(f"--align-layer {align_layer}: the model has {layers} decoder layers")

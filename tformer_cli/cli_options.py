@@ -79,6 +79,16 @@ def held_in_bf16(device, precision: str) -> bool:
     return device.type == "cuda" and precision == "bf16"
 
 
+def load_for_decoding(runs: list[Path], device, accel: str, precision: str):
+    """(first run, the runs' models as an ``Ensemble``, the context to decode in) for ``--precision``:
+    the precision is checked before the models load, and with bf16 on a GPU they are held in bf16."""
+    from tformer_cli.runtime import load_ensemble
+
+    amp = decoding_autocast(device, precision)
+    loaded, models = load_ensemble(runs, device, accel, int8=precision == "int8")
+    return loaded, models, hold_for_decoding(models, device, precision, amp)
+
+
 def hold_for_decoding(models, device, precision: str, amp):
     """The context to decode in: none, with the models now held in bf16, where ``held_in_bf16``;
     elsewhere the autocast context ``amp`` from ``decoding_autocast``."""
