@@ -42,7 +42,8 @@ import systems  # noqa: E402
 from tformer_cli.accel import PIECES  # noqa: E402
 from tformer_cli.accel.linear import PACKING, PACKING_BF16  # noqa: E402
 from tformer_cli.accel.ops import LINEAR_POINTWISE, REORDER_LINEAR_WEIGHT  # noqa: E402
-from tformer_cli.runtime import PRECISION_DTYPES, best_seconds  # noqa: E402
+from tformer_cli.runtime import (PRECISION_DTYPES, best_seconds, peak_memory_mib, reset_peak_memory,  # noqa: E402
+                                 resident_mib)
 
 WORKLOADS = ("train", "greedy", "beam", "memory", "data")
 HIGHER_IS_BETTER = {"train": True, "greedy": True, "beam": True, "memory": False, "data": True}
@@ -186,15 +187,6 @@ def _scale_flags(args: argparse.Namespace) -> list[str]:
             "--paper-sentences", str(args.paper_sentences)]
 
 
-def _status_mib(field: str) -> float:
-    """VmRSS (resident now) or VmHWM (peak resident) of this process, from /proc."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def _process_settings() -> None:
     """tformer's process-wide settings (allocator, oneDNN's kernel cache) hold for every system in the
     process, peers too, unless tformer's speed layer is off or its "runtime" piece left out."""
@@ -202,16 +194,6 @@ def _process_settings() -> None:
 
     if systems.ACCEL == "auto" and "runtime" not in systems.ACCEL_SKIP:
         tune_runtime()
-
-
-def _reset_peak_rss() -> None:
-    """Start VmHWM afresh (Linux >= 4.0). getrusage's ru_maxrss cannot be used: it carries the parent's
-    peak across fork and exec."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def probe_memory(system_key: str, size: str, device_name: str, precision: str) -> dict:
@@ -224,19 +206,15 @@ def probe_memory(system_key: str, size: str, device_name: str, precision: str) -
     cls = Tformer if system_key == "tformer" else PEERS[system_key]
     importlib.import_module(LIBRARIES[system_key])  # library code is loaded before the baseline
     batches = train_batches(size, device, 64)
-    _reset_peak_rss()
-    base = _status_mib("VmRSS")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    reset_peak_memory(device)
+    base = resident_mib() or 0.0
     system = cls(SIZES[size], device, fused=True)
     for _ in range(3 if PAPER is None else 1):
         for batch in batches:
             with _autocast(device):
                 system.train_step(batch)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = _status_mib("VmHWM") - base
+    peaks = peak_memory_mib(device)
+    peak = peaks["gpu_peak_mib"] if device.type == "cuda" else peaks.get("rss_peak_mib", 0.0) - base
     return {"system": system.name, "peak_mib": peak}
 
 

@@ -136,6 +136,9 @@ def test_training_on_cuda_with_autocast(tmp_path, precision, compile):
     losses = [d["loss"] for e, d in events if e == "step"]
     assert result.state.step == 20 and losses[-1] < losses[0]
     assert all(torch.isfinite(torch.tensor(losses)))
+    weights_mib = [d["parameters"] * 4 / 2**20 for e, d in events if e == "start"][0]  # fp32 weights, on the GPU
+    total_mib = torch.cuda.get_device_properties(0).total_memory / 2**20
+    assert all(weights_mib < d["gpu_peak_mib"] < total_mib for e, d in events if e == "step")  # the window's peak
 
 
 def test_a_training_step_on_cuda_never_waits_for_the_gpu():

@@ -105,3 +105,25 @@ def test_matmul_peak_leaves_the_runs_random_numbers_alone():
     torch.manual_seed(0)
     assert matmul_peak(torch.device("cpu"), "fp32") > 1e8  # FLOP/s: any CPU does more than 0.1 GFLOP/s
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_peak_memory_is_the_peak_since_the_last_reading():
+    import mmap
+    import os
+
+    from tformer_cli.runtime import peak_memory_mib, resident_mib
+
+    if resident_mib() is None:
+        pytest.skip("no /proc: not Linux")
+    cpu = torch.device("cpu")
+    peak_memory_mib(cpu)  # starts the peak afresh
+    size = 256 * 2**20
+    block = mmap.mmap(-1, size)  # memory of its own, given back on close whatever malloc keeps
+    for offset in range(0, size, os.sysconf("SC_PAGE_SIZE")):
+        block[offset] = 1  # resident once touched
+    held = resident_mib()
+    block.close()
+    peak = peak_memory_mib(cpu)["rss_peak_mib"]
+    assert peak > held - 4 and held > resident_mib() + 200  # the block counted at its peak (the kernel's
+    # counters lag by a few pages), and is gone now
+    assert peak_memory_mib(cpu)["rss_peak_mib"] < peak - 200  # a new window: the block was before it

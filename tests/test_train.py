@@ -2,6 +2,7 @@ import math
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +102,9 @@ def test_training_logs_model_flops_and_their_share_of_the_measured_peak(tmp_path
         assert math.isclose(record["tflops"] * 1e12, record["tokens_per_s"] * per_token, rel_tol=1e-9)
         assert math.isclose(record["mfu"], record["tflops"] * 1e12 / matmul_peak(torch.device("cpu"), "fp32"))
         assert 0 < record["mfu"] < 1
+        if Path("/proc/self/status").exists():  # the process's peak resident memory in the window (Linux)
+            assert 50 < record["rss_peak_mib"] < 24 * 1024
+        assert "gpu_peak_mib" not in record
 
 
 def _weights(run_dir):

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # in a log file, an event is one line, however long
 
 
 def print_json(data: Any) -> None:
@@ -128,23 +128,26 @@ class TrainProgress:
         self.progress = Progress(
             TextColumn("ep {task.fields[epoch]}"), BarColumn(bar_width=12), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]} ppl {task.fields[ppl]} lr {task.fields[lr]} "
-                       "{task.fields[speed]} tok/s{task.fields[mfu]}"),
+                       "{task.fields[speed]} tok/s{task.fields[mfu]}{task.fields[memory]}"),
             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console)
         self.progress.start()
         self.task = self.progress.add_task("train", total=data["total_steps"], completed=data["resumed_at"],
-                                           epoch=data["epoch"], loss="–", ppl="–", lr="–", speed="–", mfu="")
+                                           epoch=data["epoch"], loss="–", ppl="–", lr="–", speed="–", mfu="",
+                                           memory="")
 
     def _on_step(self, data: dict[str, Any]) -> None:
         mfu = f" MFU {data['mfu']:.2f}" if "mfu" in data else ""
+        peak = data.get("gpu_peak_mib", data.get("rss_peak_mib"))  # the device's memory: a GPU's, else the process's
+        memory = f" {peak / 1024:,.1f} GiB" if peak is not None else ""
         if self.progress is None:
             total = f"/{data['total_steps']:,}" if data["total_steps"] else ""
             err_console.print(f"step {data['step']:,}{total} epoch {data['epoch']} loss {data['loss']:.4f} "
-                              f"ppl {data['ppl']:.2f} lr {data['lr']:.2e} {data['tokens_per_s']:,.0f} tok/s{mfu} "
-                              f"{data['elapsed']:.0f} s", highlight=False)
+                              f"ppl {data['ppl']:.2f} lr {data['lr']:.2e} {data['tokens_per_s']:,.0f} tok/s{mfu}"
+                              f"{memory} {data['elapsed']:.0f} s", highlight=False)
             return
         self.progress.update(self.task, completed=data["step"], epoch=data["epoch"], loss=f"{data['loss']:.3f}",
                              ppl=f"{data['ppl']:.2f}", lr=f"{data['lr']:.2e}", speed=f"{data['tokens_per_s']:,.0f}",
-                             mfu=mfu)
+                             mfu=mfu, memory=memory)
 
     def _on_eval(self, data: dict[str, Any]) -> None:
         extra = "".join(f" · {k} {data[k]:.2f}" for k in ("bleu", "chrf", "exact_match") if k in data)

@@ -107,6 +107,40 @@ def best_seconds(operation: Callable[[], Any], device: torch.device, warmup: int
     return min(times)
 
 
+def resident_mib(peak: bool = False) -> float | None:
+    """This process's resident memory in MiB (VmRSS), or its peak since ``reset_peak_memory`` (VmHWM);
+    None where there is no /proc (not Linux)."""
+    field = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) / 1024 for line in f if line.startswith(field)), None)
+    except OSError:
+        return None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start afresh the peaks that ``peak_memory_mib`` reads: the resident set's (Linux >= 4.0; getrusage's
+    peak cannot be reset) and, on a GPU, that of the memory CUDA tensors hold."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> dict[str, float]:
+    """The peaks since the last call (or ``reset_peak_memory``), which starts them afresh: ``rss_peak_mib``,
+    the process's resident memory, and on a GPU ``gpu_peak_mib``, the memory its tensors held (torch's
+    allocator: neither its cache nor CUDA's own). Allocator statistics, read without waiting for the device."""
+    peaks = {"rss_peak_mib": resident_mib(peak=True)}
+    if device.type == "cuda":
+        peaks["gpu_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    reset_peak_memory(device)
+    return {key: value for key, value in peaks.items() if value is not None}
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

@@ -38,8 +38,9 @@ from tformer_cli.parallel import (
 from tformer_cli.params import train_flops_per_token
 from tformer_cli.run_folder import CHECKPOINTS, METRICS, WEIGHTS
 from tformer_cli.runtime import (
-    autocast, load_trainer_state, load_weights, matmul_peak, resolve_device, rng_state, save_checkpoint,
-    save_run_files, save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints)
+    autocast, load_trainer_state, load_weights, matmul_peak, peak_memory_mib, reset_peak_memory, resolve_device,
+    rng_state, save_checkpoint, save_run_files, save_weights, seed_everything, set_rng_state, slow_precision,
+    step_checkpoints)
 from tformer_cli.tensorboard import TensorBoard
 from tformer_cli.tensorboard import check_available as check_tensorboard
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
@@ -228,6 +229,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
+    reset_peak_memory(device)  # each log line's memory peaks: set-up left out
     trainer = setup.trainer.train()
     with signals.between_steps():
         while stop_reason is None:
@@ -275,7 +277,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
                 window["loss"] += nll_sum
                 window["tokens"] += group_tokens
                 if state.step % cfg.log_every == 0:  # callback
-                    _log(notify, setup.log, state, window, lr, total_steps, workers, model, flops)
+                    _log(notify, setup.log, state, window, lr, total_steps, workers, model, flops, device)
                 stop_reason = _stop_reason(cfg, state)
                 paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
                 if setup.validates and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
@@ -458,7 +460,7 @@ def _model_flops(setup: _Setup, data: EncodedSplit, peak: float | None) -> dict[
 
 
 def _log(notify: Callback, log: "MetricsLog", state: TrainState, window: dict, lr: float, total: int | None,
-         workers: Workers, model: torch.nn.Module, flops: dict[str, float | None]) -> None:
+         workers: Workers, model: torch.nn.Module, flops: dict[str, float | None], device: torch.device) -> None:
     now = time.perf_counter()
     nll_sum, = workers.sum(float(window["loss"]))  # the one host sync per log interval; window tokens: all's
     loss = nll_sum / max(window["tokens"], 1)
@@ -468,6 +470,7 @@ def _log(notify: Callback, log: "MetricsLog", state: TrainState, window: dict, l
               "total_steps": total}
     if flops["peak"]:
         record["mfu"] = rate * flops["per_token"] / flops["peak"]
+    record.update(peak_memory_mib(device))  # this process's, validation and checkpoints since the last line included
     if workers.main:
         log.write("train", record)
     notify("step", record)
