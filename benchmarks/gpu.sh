@@ -19,7 +19,7 @@
 #         sentences, on CUDA under torch's sync debug mode; each synchronizing call is counted by the
 #         line of tformer that made it
 # train   `tformer train configs/base.yaml` in bf16 for $MINUTES minutes (default 10) on Multi30k;
-#         prints the run's own median tokens/s, TFLOP/s and MFU; $TRAIN_SET adds a setting
+#         prints the run's own median tokens/s, TFLOP/s and MFU and its peak GPU memory; $TRAIN_SET adds a setting
 #         (the run compiles, train.compile: auto; TRAIN_SET=train.compile=false: the eager run)
 #
 # Results go to $RESULTS (default gpu-results/): a log per step, JSON where the step writes some
@@ -114,6 +114,7 @@ import json, statistics, sys
 steps = [r for r in map(json.loads, open(sys.argv[1])) if r["split"] == "train"][1:]  # the first window warms up
 for key in ("tokens_per_s", "tflops", "mfu"):
     print(f"median {key}: {statistics.median(r[key] for r in steps):,.3f} over {len(steps)} logged windows")
+print(f"peak GPU memory: {max(r['gpu_peak_mib'] for r in steps):,.0f} MiB (torch's tensors, validation included)")
 EOF
 }
 
