@@ -12,8 +12,9 @@ is: well under 1 means it waits for the host), the kernel time by kind (matrix p
 the loss, elementwise and normalisation, the optimizer), and the ten costliest kernels. Training runs
 the suite's paper-scale batches (``systems.paper_batches``), under bf16 autocast on CUDA.
 
-Experiments, each an extra training variant: ``--attention efficient,cudnn`` runs the eager step with
+Experiments, each an extra training variant: ``--attention efficient,cudnn,math`` runs the eager step with
 torch's attention held to each of those kernels (``torch.nn.attention.sdpa_kernel``), and
+``--compile-attention math`` the compiled step so (math: inductor fuses the explicit softmax), and
 ``--inductor coordinate_descent_tuning=true`` compiles once more with those inductor settings, and
 ``--bf16-stream`` trains eager and compiled with the residual stream in bf16 (each embedding's and layer
 norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32).
@@ -144,6 +145,8 @@ def main() -> None:
     parser.add_argument("--no-decode", action="store_true", help="profile training only")
     parser.add_argument("--attention", type=attention_backends, default=[],
                         help="eager variants with attention held to these kernels: flash, efficient, cudnn, math")
+    parser.add_argument("--compile-attention", type=attention_backends, default=[],
+                        help="compiled variants with attention held to these kernels")
     parser.add_argument("--inductor", type=inductor_settings, default={},
                         help="a compiled variant with these inductor settings, e.g. coordinate_descent_tuning=true")
     parser.add_argument("--bf16-stream", action="store_true",
@@ -194,6 +197,8 @@ def main() -> None:
         variants.append(("train, eager, residual stream in bf16", systems.Tformer, (), None, {}, True))
     if not args.no_compile:
         variants.append(("train, compiled (train.compile)", systems.TformerCompiled, (), None, {}, False))
+        variants += [(f"train, compiled, attention by {b.name}", systems.TformerCompiled, (), b, {}, False)
+                     for b in args.compile_attention]
         if args.bf16_stream:
             variants.append(("train, compiled, residual stream in bf16", systems.TformerCompiled, (), None, {}, True))
     if args.inductor:
