@@ -266,6 +266,7 @@ def _argument_cases() -> list[Case]:
         (["eval", "{run}", "--beam-size", "-1"], "--beam-size -1"), (["eval", "{run}", "--max-samples", "0"], "--max-samples 0"),
         (["eval", "{run}", "--length-penalty", "-1"], "--length-penalty -1"),
         (["eval", "{run}", "--output", "{run}/model.safetensors/x.txt"], "model.safetensors: File exists"),
+        (["eval", "{run}", "--output", "{run}"], "is a folder; name a file for the hypotheses"),
         (["average", "{run}", "--last", "0"], "--last 0: must be >= 1"),
         (["average", "{run}", "--last", "9"], "step checkpoints; ask for at most"),
         (["average", "{run}"], "give exactly one of --last N or --best N"),
