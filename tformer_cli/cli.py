@@ -267,7 +267,8 @@ def export(
     to: Annotated[str, typer.Option(
         "--to", help="hf: a Hugging Face MarianMTModel folder; ctranslate2: a CTranslate2 model.")] = "hf",
     quantization: Annotated[Optional[str], typer.Option(
-        help="ctranslate2: int8 | int8_float16 | int8_bfloat16 | float16 | bfloat16 (default: float32).")] = None,
+        help="ctranslate2: int8 | int8_float16 | int8_float32 | int8_bfloat16 | float16 | bfloat16 "
+             "(default: float32).")] = None,
     push_to_hub: Annotated[Optional[str], typer.Option(
         metavar="REPO", help="hf: also upload the folder to this Hub repository (needs `hf auth login`).")] = None,
     json_output: JsonOpt = False,
