@@ -17,7 +17,9 @@ torch's attention held to each of those kernels (``torch.nn.attention.sdpa_kerne
 ``--compile-attention math`` the compiled step so (math: inductor fuses the explicit softmax), and
 ``--inductor coordinate_descent_tuning=true`` compiles once more with those inductor settings, and
 ``--bf16-stream`` trains eager and compiled with the residual stream in bf16 (each embedding's and layer
-norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32).
+norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32). For decoding,
+``--direct-capture`` records the CUDA graphs without ``torch.cuda.graph``'s device synchronisation and
+emptying of the allocator's device and pinned-host caches before each recording (one per batch).
 """
 
 from __future__ import annotations
@@ -123,6 +125,24 @@ def bf16_stream(model: torch.nn.Module) -> None:
             module.register_forward_hook(lambda module, args, out: out.to(torch.bfloat16))
 
 
+def record_directly(step):
+    """``accel.graphs._record`` as ``CUDAGraph.capture_begin``/``capture_end`` on the side stream: what
+    ``torch.cuda.graph`` does, without synchronising the device and emptying the caching allocator's
+    device and pinned-host caches first (the blocks the next batch then allocates anew)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # the warm-up CUDA graphs want, as _record runs it
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin()
+        try:
+            step()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph.replay
+
+
 def attention_backends(text: str) -> list[SDPBackend]:
     """"efficient,cudnn" -> those SDPA backends."""
     names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -149,6 +169,8 @@ def main() -> None:
                         help="compiled variants with attention held to these kernels")
     parser.add_argument("--inductor", type=inductor_settings, default={},
                         help="a compiled variant with these inductor settings, e.g. coordinate_descent_tuning=true")
+    parser.add_argument("--direct-capture", action="store_true",
+                        help="decoding also with its CUDA graphs recorded without emptying the allocator's caches")
     parser.add_argument("--bf16-stream", action="store_true",
                         help="eager and compiled variants with the residual stream in bf16")
     args = parser.parse_args()
@@ -177,6 +199,12 @@ def main() -> None:
             measure(f"{workload}, a step at a time (--accel-skip graphs)", decode, device, steps=2, warmup=1)
             graphs.enable(True)
         measure(workload, decode, device, steps=2, warmup=1)
+        if device.type == "cuda" and args.direct_capture:
+            recorded_by_torch, graphs._record = graphs._record, record_directly
+            try:
+                measure(f"{workload}, graphs recorded directly (--direct-capture)", decode, device, steps=2, warmup=1)
+            finally:
+                graphs._record = recorded_by_torch
     if device.type == "cuda":  # held in bf16, as `tformer eval --precision bf16` decodes: no autocast casts
         systems.HOLD_FOR_DECODING = True
         for workload, decode in decodes:
