@@ -174,7 +174,8 @@ def test_eval_output_makes_its_folder_and_an_unwritable_path_is_a_one_line_error
     assert result.exit_code == 0, result.output
     assert len(hyps.read_text().splitlines()) == 3
     result = runner.invoke(app, ["eval", str(run_dir), "--max-samples", "3", "--output", str(tmp_path)])
-    assert result.exit_code == 1 and result.output == f"error: {tmp_path}: Is a directory\n"
+    assert result.exit_code == 1 and result.output == (f"error: --output {tmp_path}: is a folder; name a file for the "
+                                                       f"hypotheses, e.g. {tmp_path / 'hyps.txt'}\n")
 
 
 def test_resume_refuses_to_change_the_model_or_vocabulary_and_leaves_the_run_as_it_was(run_dir):
