@@ -73,6 +73,7 @@ PRECISION = "fp32"  # set once by main(): every system runs under the same autoc
 PAPER: tuple[int, int, int] | None = None  # set by main() with --scale paper: (tokens a step, steps, sentences)
 # --scale paper decodes batches of at most this many source tokens (beam search: times its 4 beams)
 PAPER_DECODE_TOKENS = {"greedy": 8192, "beam": 2048}
+PEER_ADAMW = (False, True)  # the peers' training with plain AdamW, and with fused (--peer-adamw)
 
 
 def _autocast(device: torch.device):
@@ -85,7 +86,7 @@ def _systems(size, device, peers: list[str]) -> list:
         if key.startswith("tformer"):  # tformer's own variants, with its own optimizer
             systems.append(PEERS[key](SIZES[size], device))
             continue
-        for fused in (False, True) if PEERS[key].supports_train else (False,):  # fused AdamW: training only
+        for fused in PEER_ADAMW if PEERS[key].supports_train else (False,):  # fused AdamW: training only
             systems.append(PEERS[key](SIZES[size], device, fused=fused))
     return systems
 
@@ -174,7 +175,7 @@ def run_speed_fresh(workload: str, size: str, args: argparse.Namespace, peers: l
     not depend on which workloads ran before it."""
     command = [sys.executable, __file__, "--probe-speed", workload, size, "--peak", repr(peak),
                "--device", args.device, "--precision", PRECISION, "--accel", systems.ACCEL, "--accel-skip", ",".join(systems.ACCEL_SKIP),
-               "--peers", ",".join(peers),
+               "--peers", ",".join(peers), "--peer-adamw", "fused" if PEER_ADAMW == (True,) else "both",
                "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--train-batch", str(args.train_batch),
                *_scale_flags(args)]
     out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
@@ -338,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="tformer's speed layer (tformer_cli/accel): auto, or off for the plain model")
     parser.add_argument("--accel-skip", default="",
                         help="pieces of the speed layer to leave out, e.g. dropout,attention (see accel.PIECES)")
+    parser.add_argument("--peer-adamw", default="both", choices=["both", "fused"],
+                        help="the peers' training with plain and fused AdamW, or fused only (their best, in half the time)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--probe-memory", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--probe-speed", nargs=2, help=argparse.SUPPRESS)
@@ -357,7 +360,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
     global PRECISION
     PRECISION = systems.PRECISION = args.precision or ("bf16" if on_cuda else "fp32")
-    global PAPER
+    global PAPER, PEER_ADAMW
+    PEER_ADAMW = (True,) if args.peer_adamw == "fused" else (False, True)
     PAPER = (args.paper_tokens, args.paper_steps, args.paper_sentences) if paper else None
     systems.ACCEL = args.accel
     systems.ACCEL_SKIP = tuple(piece for piece in args.accel_skip.split(",") if piece)
