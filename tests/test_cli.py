@@ -13,6 +13,7 @@ from conftest import write_config
 from tformer_cli.cli import app
 from tformer_cli.config import load_config
 from tformer_cli.errors import UsageError
+from tformer_cli.files import read_jsonl
 from tformer_cli.runtime import choose_checkpoints, find_weights, step_checkpoints
 from tformer_cli.train import train
 
@@ -314,6 +315,11 @@ def test_average_and_plot_commands_on_a_run(tmp_path):
     assert f"keeps only {kept} step checkpoints" in too_many.output.replace("\n", " ")
     plotted = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.png")])
     assert plotted.exit_code == 0 and (tmp_path / "curves.png").stat().st_size > 1000
+    as_json = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.svg"), "--json"])
+    splits = [r["split"] for r in read_jsonl(run / "metrics.jsonl")]
+    assert json.loads(as_json.stdout) == {"image": str(tmp_path / "curves.svg"), "train_points": splits.count("train"),
+                                          "validation_points": splits.count("validation")}
+    assert splits.count("validation") == 3 and (tmp_path / "curves.svg").is_file()
     unknown = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.jpeg")])
     assert unknown.exit_code == 1 and "use a .png, .svg or .pdf file name" in unknown.output
     assert "Traceback" not in unknown.output and not (tmp_path / "curves.jpeg").exists()

@@ -244,20 +244,27 @@ def average(
 def plot(
     run: RunArg,
     output: Annotated[Optional[Path], typer.Option(help="Image file (default RUN/curves.png).")] = None,
+    json_output: JsonOpt = False,
 ) -> None:
     """Draw learning curves (training and validation loss, validation BLEU) from RUN/metrics.jsonl.
 
     [dim]Examples:[/]
       tformer plot runs/demo --output curves.png
     """
-    from tformer_cli.render import console
+    from tformer_cli.render import console, print_json
     from tformer_cli.render_curves import plot_curves
     from tformer_cli.runtime import read_metrics
 
     path = output or Path(run) / "curves.png"
     check_image_name("--output", path)
-    plot_curves(read_metrics(run), path, title=str(run))
-    console.print(f"saved {path}", highlight=False)
+    records = read_metrics(run)
+    plot_curves(records, path, title=str(run))
+    if json_output:
+        splits = [r.get("split") for r in records]
+        print_json({"image": str(path), "train_points": splits.count("train"),
+                    "validation_points": splits.count("validation")})
+    else:
+        console.print(f"saved {path}", highlight=False)
 
 
 @app.command()
