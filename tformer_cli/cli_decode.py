@@ -107,7 +107,8 @@ def eval_command(
     loaded, models, amp = load_for_decoding(runs, dev, accel, precision)
     if output:  # a folder or an unwritable path fails now, not after the evaluation (nor before the run loads)
         if output.is_dir():
-            raise UsageError(f"--output {output}: is a folder; name a file for the hypotheses, e.g. {output / 'hyps.txt'}")
+            raise UsageError(f"--output {output}: is a folder; name a file for the hypotheses, "
+                             f"e.g. {output / 'hyps.txt'}")
         output.parent.mkdir(parents=True, exist_ok=True)
         open(output, "a").close()
     data = loaded.config.data

@@ -277,12 +277,18 @@ def find_weights(path: Path) -> tuple[Path, Path]:
 
 
 def run_folder_of(folder: Path) -> Path:
-    """The run folder that ``folder`` is (or is a checkpoint inside): it, its parent or theirs."""
-    for candidate in (folder, folder.parent, folder.parent.parent):
-        if (candidate / CONFIG).is_file():
-            return candidate
-    raise CheckpointError(f"{folder}: not a run folder (no config.yaml), nor a checkpoint inside one; pass the "
-                          "folder `tformer train` wrote, e.g. runs/demo")
+    """The run folder that ``folder`` is (or is a checkpoint inside)."""
+    run = owning_run(folder)
+    if run is None:
+        raise CheckpointError(f"{folder}: not a run folder (no config.yaml), nor a checkpoint inside one; pass the "
+                              "folder `tformer train` wrote, e.g. runs/demo")
+    return run
+
+
+def owning_run(folder: Path) -> Path | None:
+    """The run folder that ``folder`` is or lies in, as eval and generate find it: ``folder``, its parent
+    or theirs, the first with a config.yaml; None where there is none."""
+    return next((run for run in (folder, folder.parent, folder.parent.parent) if (run / CONFIG).is_file()), None)
 
 
 def load_run(path: Path, device: torch.device | str = "cpu", accel: str = "auto", int8: bool = False) -> LoadedRun:
@@ -363,8 +369,7 @@ def average_checkpoints(checkpoints: list[Path], output: Path, run_dir: Path) ->
             if "averaged" not in (existing.metadata() or {}):
                 raise UsageError(f"--output {output}: holds weights that are not an average; pick another folder")
     run_files = [CONFIG, *Vocabulary.files(run_dir)]
-    owner = next((folder for folder in (output, output.parent, output.parent.parent) if (folder / CONFIG).is_file()),
-                 None)  # the run folder that eval and generate would take the average's config from
+    owner = owning_run(output)  # the run folder that eval and generate would take the average's config from
     standalone = owner is None or owner.resolve() != Path(run_dir).resolve()
     if standalone and owner is not None and not (owner == output and _same_files(output, run_dir, run_files)):
         raise UsageError(f"--output {output}: inside another run folder ({owner}), whose config and tokenizer "
