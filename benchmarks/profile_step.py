@@ -110,7 +110,7 @@ def inductor_settings(text: str) -> dict[str, object]:
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if not hasattr(inductor, key):
-            raise SystemExit(f"--inductor {item}: torch {torch.__version__}'s inductor has no setting {key!r}")
+            raise argparse.ArgumentTypeError(f"torch {torch.__version__}'s inductor has no setting {key!r}")
         settings[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
     return settings
 
@@ -149,7 +149,7 @@ def attention_backends(text: str) -> list[SDPBackend]:
              "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
     unknown = [name for name in filter(None, text.split(",")) if name not in names]
     if unknown:
-        raise SystemExit(f"--attention {','.join(unknown)}: choose from {', '.join(names)}")
+        raise argparse.ArgumentTypeError(f"unknown {','.join(unknown)}: choose from {', '.join(names)}")
     return [names[name] for name in filter(None, text.split(","))]
 
 
