@@ -131,9 +131,11 @@ def test_a_run_cut_short_keeps_the_workloads_it_finished(tmp_path, monkeypatch):
 def test_the_step_profile_sorts_a_steps_time_into_kinds_on_a_cpu():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py"
     result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "host", "--tokens", "300",
-                             "--steps", "1", "--sentences", "3", "--no-compile"], capture_output=True, text=True, check=True)
+                             "--steps", "1", "--sentences", "3", "--no-compile", "--attention", "math"],
+                            capture_output=True, text=True, check=True)
     sections = [line for line in result.stdout.splitlines() if line.startswith("== ")]
-    assert [s.split(":")[0] for s in sections[2:]] == ["== train, eager", "== train, eager, the loss unfused"]
+    assert [s.split(":")[0] for s in sections[2:]] == ["== train, eager", "== train, eager, the loss unfused",
+                                                       "== train, eager, attention by MATH"]
     assert sections[0].startswith("== greedy") and sections[1].startswith("== beam 4")
     assert all("busy" in s for s in sections)
     assert "matmul" in result.stdout and "costliest:" in result.stdout
