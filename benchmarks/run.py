@@ -42,8 +42,7 @@ import systems  # noqa: E402
 from tformer_cli.accel import PIECES  # noqa: E402
 from tformer_cli.accel.linear import PACKING, PACKING_BF16  # noqa: E402
 from tformer_cli.accel.ops import LINEAR_POINTWISE, REORDER_LINEAR_WEIGHT  # noqa: E402
-from tformer_cli.runtime import (PRECISION_DTYPES, best_seconds, peak_memory_mib, reset_peak_memory,  # noqa: E402
-                                 resident_mib)
+from tformer_cli.runtime import PRECISION_DTYPES, best_seconds, reset_peak_memory, resident_mib  # noqa: E402
 
 WORKLOADS = ("train", "greedy", "beam", "memory", "data")
 HIGHER_IS_BETTER = {"train": True, "greedy": True, "beam": True, "memory": False, "data": True}
@@ -214,8 +213,10 @@ def probe_memory(system_key: str, size: str, device_name: str, precision: str) -
         for batch in batches:
             with _autocast(device):
                 system.train_step(batch)
-    peaks = peak_memory_mib(device)
-    peak = peaks["gpu_peak_mib"] if device.type == "cuda" else peaks.get("rss_peak_mib", 0.0) - base
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak = (resident_mib(peak=True) or 0.0) - base
     return {"system": system.name, "peak_mib": peak}
 
 

@@ -107,23 +107,24 @@ def test_matmul_peak_leaves_the_runs_random_numbers_alone():
     assert torch.equal(torch.rand(3), expected)
 
 
-def test_peak_memory_is_the_peak_since_the_last_reading():
+def test_resident_memory_and_its_peak_since_a_reset():
     import mmap
     import os
 
-    from tformer_cli.runtime import peak_memory_mib, resident_mib
+    from tformer_cli.runtime import memory_mib, reset_peak_memory, resident_mib
 
     if resident_mib() is None:
         pytest.skip("no /proc: not Linux")
     cpu = torch.device("cpu")
-    peak_memory_mib(cpu)  # starts the peak afresh
+    reset_peak_memory(cpu)
     size = 256 * 2**20
     block = mmap.mmap(-1, size)  # memory of its own, given back on close whatever malloc keeps
     for offset in range(0, size, os.sysconf("SC_PAGE_SIZE")):
         block[offset] = 1  # resident once touched
-    held = resident_mib()
+    held = memory_mib(cpu)["rss_mib"]
     block.close()
-    peak = peak_memory_mib(cpu)["rss_peak_mib"]
-    assert peak > held - 4 and held > resident_mib() + 200  # the block counted at its peak (the kernel's
-    # counters lag by a few pages), and is gone now
-    assert peak_memory_mib(cpu)["rss_peak_mib"] < peak - 200  # a new window: the block was before it
+    assert held > memory_mib(cpu)["rss_mib"] + 200  # resident now: the block is gone
+    peak = resident_mib(peak=True)
+    assert peak > held - 4  # the peak saw it (the kernel's counters lag by a few pages)
+    reset_peak_memory(cpu)
+    assert resident_mib(peak=True) < peak - 200  # afresh: the block was before

@@ -137,8 +137,8 @@ class TrainProgress:
 
     def _on_step(self, data: dict[str, Any]) -> None:
         mfu = f" MFU {data['mfu']:.2f}" if "mfu" in data else ""
-        peak = data.get("gpu_peak_mib", data.get("rss_peak_mib"))  # the device's memory: a GPU's, else the process's
-        memory = f" {peak / 1024:,.1f} GiB" if peak is not None else ""
+        used = data.get("gpu_peak_mib", data.get("rss_mib"))  # the device's memory: a GPU's peak, else resident
+        memory = f" {used / 1024:,.1f} GiB" if used is not None else ""
         if self.progress is None:
             total = f"/{data['total_steps']:,}" if data["total_steps"] else ""
             err_console.print(f"step {data['step']:,}{total} epoch {data['epoch']} loss {data['loss']:.4f} "

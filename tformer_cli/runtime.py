@@ -119,26 +119,27 @@ def resident_mib(peak: bool = False) -> float | None:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start afresh the peaks that ``peak_memory_mib`` reads: the resident set's (Linux >= 4.0; getrusage's
-    peak cannot be reset) and, on a GPU, that of the memory CUDA tensors hold."""
+    """Start afresh the peaks that ``resident_mib(peak=True)`` and, on a GPU, torch's allocator report:
+    for a process that measures itself (the benchmark's probes). Not for a training run: the kernel's
+    resident peak is also what getrusage, ``time -v`` and schedulers report for the whole process."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+            f.write("5")  # Linux >= 4.0
     except OSError:
         pass
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory_mib(device: torch.device) -> dict[str, float]:
-    """The peaks since the last call (or ``reset_peak_memory``), which starts them afresh: ``rss_peak_mib``,
-    the process's resident memory, and on a GPU ``gpu_peak_mib``, the memory its tensors held (torch's
-    allocator: neither its cache nor CUDA's own). Allocator statistics, read without waiting for the device."""
-    peaks = {"rss_peak_mib": resident_mib(peak=True)}
+def memory_mib(device: torch.device) -> dict[str, float]:
+    """A training log line's memory figures: ``rss_mib``, this process's resident memory now (Linux),
+    and on a GPU ``gpu_peak_mib``, the most its tensors held since the last call (torch's allocator
+    statistic, read without waiting for the device, then reset; neither its cache nor CUDA's own)."""
+    figures = {"rss_mib": resident_mib()}
     if device.type == "cuda":
-        peaks["gpu_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-    reset_peak_memory(device)
-    return {key: value for key, value in peaks.items() if value is not None}
+        figures["gpu_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+    return {key: value for key, value in figures.items() if value is not None}
 
 
 def rng_state() -> dict[str, Any]:

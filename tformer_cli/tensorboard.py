@@ -15,7 +15,7 @@ from tformer_cli.run_folder import TENSORBOARD
 SCALARS = {
     ("train", "loss"): "train/loss", ("train", "ppl"): "train/perplexity", ("train", "lr"): "train/learning_rate",
     ("train", "tokens_per_s"): "train/tokens_per_s", ("train", "tflops"): "train/tflops", ("train", "mfu"): "train/mfu",
-    ("train", "gpu_peak_mib"): "train/gpu_peak_mib", ("train", "rss_peak_mib"): "train/rss_peak_mib",
+    ("train", "gpu_peak_mib"): "train/gpu_peak_mib", ("train", "rss_mib"): "train/rss_mib",
     ("validation", "loss"): "validation/loss", ("validation", "ppl"): "validation/perplexity",
     ("validation", "bleu"): "validation/bleu", ("validation", "chrf"): "validation/chrf",
 }

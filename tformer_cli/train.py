@@ -38,9 +38,8 @@ from tformer_cli.parallel import (
 from tformer_cli.params import train_flops_per_token
 from tformer_cli.run_folder import CHECKPOINTS, METRICS, WEIGHTS
 from tformer_cli.runtime import (
-    autocast, load_trainer_state, load_weights, matmul_peak, peak_memory_mib, reset_peak_memory, resolve_device,
-    rng_state, save_checkpoint, save_run_files, save_weights, seed_everything, set_rng_state, slow_precision,
-    step_checkpoints)
+    autocast, load_trainer_state, load_weights, matmul_peak, memory_mib, resolve_device, rng_state, save_checkpoint,
+    save_run_files, save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints)
 from tformer_cli.tensorboard import TensorBoard
 from tformer_cli.tensorboard import check_available as check_tensorboard
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
@@ -229,7 +228,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
-    reset_peak_memory(device)  # each log line's memory peaks: set-up left out
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # each log line's GPU peak: set-up left out
     trainer = setup.trainer.train()
     with signals.between_steps():
         while stop_reason is None:
@@ -470,7 +470,7 @@ def _log(notify: Callback, log: "MetricsLog", state: TrainState, window: dict, l
               "total_steps": total}
     if flops["peak"]:
         record["mfu"] = rate * flops["per_token"] / flops["peak"]
-    record.update(peak_memory_mib(device))  # this process's, validation and checkpoints since the last line included
+    record.update(memory_mib(device))  # this process's; the GPU's peak includes validation since the last line
     if workers.main:
         log.write("train", record)
     notify("step", record)
