@@ -259,7 +259,7 @@ def test_an_error_during_training_stops_the_live_progress_display(tmp_path, monk
         callback("start", {"run_dir": str(run_dir), "device": "cpu", "processes": 1, "resumed_at": 0,
                            "parameters": 10, "train_pairs": 5, "validation_pairs": 0, "dropped_long": 0,
                            "dropped_empty": 0, "truncated": 0, "steps_per_epoch": 1, "total_steps": 4,
-                           "vocab_size": 20, "epoch": 0})
+                           "vocab_size": 20, "epoch": 0, "compiled": True})
         raise DivergedError("training diverged at step 1: the weights are no longer finite")
 
     monkeypatch.setattr(render, "TrainProgress", Recorded)
@@ -267,6 +267,7 @@ def test_an_error_during_training_stops_the_live_progress_display(tmp_path, monk
     result = runner.invoke(app, ["train", str(write_config(tmp_path / "t.yaml")), "--output-dir",
                                  str(tmp_path / "run")])
     assert result.exit_code == 1 and "training diverged at step 1" in terminal.getvalue()
+    assert "compiling the model (train.compile): the first steps take a few minutes" in terminal.getvalue()
     assert len(displays) == 1 and not displays[0].live.is_started  # stopped, so the error prints below it
 
 

@@ -123,6 +123,9 @@ class TrainProgress:
             f"({dropped:,} dropped: {data['dropped_long']:,} too long, {data['dropped_empty']:,} empty; "
             f"{data['truncated']:,} truncated), {data['validation_pairs']:,} validation, "
             f"{data['steps_per_epoch']:,} steps an epoch")
+        if data["compiled"]:  # minutes without a step otherwise look like a hang
+            err_console.print("compiling the model (train.compile): the first steps take a few minutes; "
+                              "--set train.compile=false starts at once, uncompiled", highlight=False)
         if not err_console.is_terminal:  # a log file or pipe: plain lines instead of a live display
             return
         self.progress = Progress(
