@@ -141,6 +141,35 @@ def test_training_on_cuda_with_autocast(tmp_path, precision, compile):
     assert all(weights_mib < d["gpu_peak_mib"] < total_mib for e, d in events if e == "step")  # the window's peak
 
 
+def test_eval_in_bf16_on_cuda_holds_the_model_in_bf16_and_keeps_its_loss(trained_run, monkeypatch):
+    """``eval --precision bf16`` on a GPU decodes with the model held in bf16 (cli_options.load_for_decoding),
+    its teacher-forced loss within 2 % of fp32's."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import tformer_cli.cli_options as cli_options
+    from tformer_cli.cli import app
+
+    held = []
+    hold = cli_options.hold_for_decoding
+
+    def recorded(models, device, precision, amp):
+        context = hold(models, device, precision, amp)
+        held.append(models.models[0].output_proj.weight.dtype)
+        return context
+
+    monkeypatch.setattr(cli_options, "hold_for_decoding", recorded)
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        result = CliRunner().invoke(app, ["eval", str(trained_run), "--device", "cuda", "--precision", precision,
+                                          "--max-samples", "20", "--beam-size", "1", "--json"])
+        assert result.exit_code == 0, result.output
+        losses[precision] = json.loads(result.stdout)["loss"]
+    assert held == [torch.float32, torch.bfloat16]
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=0.02)
+
+
 def test_a_training_step_on_cuda_never_waits_for_the_gpu():
     """The batch's copy, forward, the loss over real tokens, backward, clipping and the fused AdamW step
     queue kernels without waiting for the GPU: the host stays ahead of it from one step to the next."""
