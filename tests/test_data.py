@@ -31,6 +31,18 @@ def test_a_line_that_is_not_json_names_its_file_and_prints_nothing_else(tmp_path
     with pytest.raises(DataError, match=rf"could not read .*corpus/train.jsonl as json: {parser}"):
         load_pairs(DataConfig(data_files={"train": str(folder / "train.jsonl")}, source="de", target="en"), "train")
     assert capfd.readouterr().err == ""  # datasets logs the file it failed on: that line is not shown
+    import logging
+
+    import datasets
+
+    quiet = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # as DATASETS_VERBOSITY=critical sets it
+    logging.getLogger("datasets.packaged_modules.json.json").isEnabledFor(logging.ERROR)  # cached: off
+    try:
+        with pytest.raises(DataError, match=rf"could not read .*corpus/train.jsonl of the dataset folder"):
+            load_pairs(DataConfig(dataset=str(folder), source="de", target="en"), "train")
+    finally:
+        datasets.logging.set_verbosity(quiet)
 
 
 def test_jsonl_csv_parquet_and_gzip_give_the_same_pairs(tmp_path):

@@ -188,11 +188,13 @@ def _datasets_errors(failed: list[str]) -> Iterator[None]:
 
     logger = logging.getLogger("datasets")
     handlers, level = logger.handlers, logger.level
-    logger.handlers, logger.level = [FileNames()], logging.ERROR
+    logger.handlers = [FileNames()]
+    logger.setLevel(logging.ERROR)  # setLevel, not .level: its modules' loggers cache whether a level is on
     try:
         yield
     finally:
-        logger.handlers, logger.level = handlers, level
+        logger.handlers = handlers
+        logger.setLevel(level)
 
 
 def _root_cause(exc: BaseException) -> BaseException:
