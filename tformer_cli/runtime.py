@@ -372,11 +372,13 @@ def average_checkpoints(checkpoints: list[Path], output: Path, run_dir: Path) ->
     run_files = [CONFIG, *Vocabulary.files(run_dir)]
     owner = owning_run(output)  # the run folder that eval and generate would take the average's config from
     standalone = owner is None or owner.resolve() != Path(run_dir).resolve()
-    if standalone and owner is not None and not (owner == output and _same_files(output, run_dir, run_files)):
+    if standalone and owner not in (None, output):
         raise UsageError(f"--output {output}: inside another run folder ({owner}), whose config and tokenizer "
                          f"would go with these weights; pick a folder inside {run_dir} or outside any run")
-    clashes = [name for name in run_files if (output / name).exists() and not _same_files(output, run_dir, [name])]
-    if standalone and clashes:
+    # a standalone average's files may be replaced by the same bytes (an earlier average's), nothing else
+    clashes = [name for name in run_files if standalone and (output / name).exists()
+               and (output / name).read_bytes() != (Path(run_dir) / name).read_bytes()]
+    if clashes:
         raise UsageError(f"--output {output}: holds a {clashes[0]} of its own, which the average would need to "
                          "replace; pick another folder")
     total: dict[str, torch.Tensor] = {}
@@ -402,8 +404,3 @@ def average_checkpoints(checkpoints: list[Path], output: Path, run_dir: Path) ->
                 shutil.copyfile(Path(run_dir) / name, tmp)
     return output
 
-
-def _same_files(folder: Path, other: Path, names: list[str]) -> bool:
-    """Whether ``folder`` holds each of ``names`` with the same bytes as ``other`` does."""
-    return all((folder / name).is_file() and (folder / name).read_bytes() == (other / name).read_bytes()
-               for name in names)
