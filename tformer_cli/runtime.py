@@ -133,8 +133,9 @@ def reset_peak_memory(device: torch.device) -> None:
 
 def memory_mib(device: torch.device) -> dict[str, float]:
     """A training log line's memory figures: ``rss_mib``, this process's resident memory now (Linux),
-    and on a GPU ``gpu_peak_mib``, the most its tensors held since the last call (torch's allocator
-    statistic, read without waiting for the device, then reset; neither its cache nor CUDA's own)."""
+    and on a GPU ``gpu_peak_mib``, the most its tensors held since the last call (the first: since the
+    process began; torch's allocator statistic, read without waiting for the device, then reset;
+    neither its cache nor CUDA's own)."""
     figures = {"rss_mib": resident_mib()}
     if device.type == "cuda":
         figures["gpu_peak_mib"] = torch.cuda.max_memory_allocated(device) / 2**20

@@ -228,8 +228,6 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)  # each log line's GPU peak: set-up left out
     trainer = setup.trainer.train()
     with signals.between_steps():
         while stop_reason is None:
