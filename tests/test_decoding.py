@@ -166,7 +166,7 @@ def test_by_default_a_batch_holds_256_hypotheses(model, monkeypatch, options, se
     vocab = Vocabulary.train([("a b c", "a b c")], vocab_size=VOCAB, min_frequency=1)
     translate(model, vocab, ["a b"] * 300, options)
     assert batches[0] == sentences and sum(batches) == 300
-    assert decoding.default_batch_size(options) == sentences
+    assert decoding.sentences_per_batch(options) == sentences
 
 
 def test_sampling_nbest_draws_several_samples_per_source(model):

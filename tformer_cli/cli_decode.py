@@ -186,7 +186,7 @@ def generate(
 
     from tformer_cli.accel import check_mode
     from tformer_cli.ctranslate2_engine import CTranslate2Engine, check_engine
-    from tformer_cli.decoding import DecodeOptions, default_batch_size, translate
+    from tformer_cli.decoding import DecodeOptions, sentences_per_batch, translate
     from tformer_cli.render import generation_lines, warn
     from tformer_cli.runtime import load_ensemble, resolve_device
 
@@ -222,7 +222,7 @@ def generate(
         top_k=top_k, top_p=top_p, epsilon=epsilon, seed=seed, nbest=nbest, length_penalty=length_penalty,
         min_len=min_len, no_repeat_ngram=no_repeat_ngram, align_layer=(align_layer or layers) - 1 if align else None,
         mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
-    size = default_batch_size(options, batch_size or loaded.config.decode.batch_size)
+    size = sentences_per_batch(options, batch_size or loaded.config.decode.batch_size)
     for text in texts or []:
         check_text("TEXTS", text)
     if texts:

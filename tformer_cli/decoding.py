@@ -384,7 +384,7 @@ class Translation:
 HYPOTHESES_PER_BATCH = 256
 
 
-def default_batch_size(options: DecodeOptions, batch_size: int | None = None) -> int:
+def sentences_per_batch(options: DecodeOptions, batch_size: int | None = None) -> int:
     """Sentences per batch: ``batch_size`` where one is set (decode.batch_size, --batch-size), else
     HYPOTHESES_PER_BATCH rows a step."""
     if batch_size:
@@ -399,7 +399,7 @@ def translate(model: torch.nn.Module | Ensemble, vocab: Vocabulary, texts: list[
               batch_size: int | None = None, device: torch.device | str = "cpu",
               prefixes: list[str] | None = None) -> list[Translation]:
     """Translate texts in length-sorted batches of ``batch_size`` sentences (default: see
-    ``default_batch_size``); results come back in input order. Each output starts with the text's
+    ``sentences_per_batch``); results come back in input order. Each output starts with the text's
     entry in ``prefixes``, if given and not empty. With ``options.mbr``, the ``nbest`` candidates of
     highest expected utility come back, best first (see ``mbr.py``).
 
@@ -417,7 +417,7 @@ def translate(model: torch.nn.Module | Ensemble, vocab: Vocabulary, texts: list[
     order = sorted((i for i, text in enumerate(texts) if text.strip()), key=lambda i: len(ids[i]))
     search = options.candidates() if options.mbr else options
     metric = sentence_metric(options.mbr_metric) if options.mbr else None
-    batch_size = default_batch_size(options, batch_size)
+    batch_size = sentences_per_batch(options, batch_size)
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         src = pad_sequences([ids[i] for i in chunk]).to(device)

@@ -158,9 +158,9 @@ def validation_bleu(model: torch.nn.Module, vocab, split: EncodedSplit, decode_c
 
 def validation_rows(decode_cfg, sentences: int) -> int:
     """The most hypotheses a step of ``validation_bleu`` decodes together, over ``sentences`` sentences."""
-    from tformer_cli.decoding import default_batch_size
+    from tformer_cli.decoding import sentences_per_batch
 
-    return min(sentences, default_batch_size(_validation_search(decode_cfg), decode_cfg.batch_size))
+    return min(sentences, sentences_per_batch(_validation_search(decode_cfg), decode_cfg.batch_size))
 
 
 def _validation_search(decode_cfg):
