@@ -72,20 +72,23 @@ PRECISION = "fp32"  # set once by main(): every system runs under the same autoc
 PAPER: tuple[int, int, int] | None = None  # set by main() with --scale paper: (tokens a step, steps, sentences)
 # --scale paper decodes batches of at most this many source tokens (beam search: times its 4 beams)
 PAPER_DECODE_TOKENS = {"greedy": 8192, "beam": 2048}
-PEER_ADAMW = (False, True)  # the peers' training with plain AdamW, and with fused (--peer-adamw)
+PEER_ADAMW = "both"  # --peer-adamw: the peers train with plain and with fused AdamW, or "fused" only
 
 
 def _autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if PRECISION == "bf16" else nullcontext()
 
 
-def _systems(size, device, peers: list[str]) -> list:
+def _systems(size, device, peers: list[str], train: bool) -> list:
+    """tformer and the peers; for training, each peer with plain and fused AdamW (--peer-adamw)."""
     systems = [Tformer(SIZES[size], device)]
     for key in peers:
-        if key.startswith("tformer"):  # tformer's own variants, with its own optimizer
+        if train and not PEERS[key].supports_train:
+            continue
+        if key.startswith("tformer") or not train:  # tformer's variants have their own optimizer; decoding none
             systems.append(PEERS[key](SIZES[size], device))
             continue
-        for fused in PEER_ADAMW if PEERS[key].supports_train else (False,):  # fused AdamW: training only
+        for fused in (True,) if PEER_ADAMW == "fused" else (False, True):
             systems.append(PEERS[key](SIZES[size], device, fused=fused))
     return systems
 
@@ -132,9 +135,8 @@ def train_batches(size: str, device, train_batch: int) -> list:
 
 def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, train_batch: int = 64) -> list[dict]:
     systems.COMPILE_PEERS = PAPER is not None and workload == "train"  # the peers' training at its best
-    contenders = _systems(size, device, peers)
+    contenders = _systems(size, device, peers, train=workload == "train")
     if workload == "train":
-        contenders = [s for s in contenders if s.supports_train]
         batches = train_batches(size, device, train_batch)
         target = sum(b.target_tokens for b in batches)
         src_per_tgt = sum(int((b.src != PAD).sum()) for b in batches) / target
@@ -148,8 +150,7 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
         else:  # a test set of real lengths
             batches = paper_sources(SIZES[size], PAPER[2], PAPER_DECODE_TOKENS[workload], device)
             work, unit = sum(src.shape[0] for src, _ in batches), "sentences/s"
-        # the optimizer plays no part in decoding
-        contenders = [s for s in contenders if "fused" not in s.name and s.decodes]
+        contenders = [s for s in contenders if s.decodes]
         if workload == "beam":
             contenders = [s for s in contenders if s.supports_beam]
 
@@ -174,7 +175,7 @@ def run_speed_fresh(workload: str, size: str, args: argparse.Namespace, peers: l
     not depend on which workloads ran before it."""
     command = [sys.executable, __file__, "--probe-speed", workload, size, "--peak", repr(peak),
                "--device", args.device, "--precision", PRECISION, "--accel", systems.ACCEL, "--accel-skip", ",".join(systems.ACCEL_SKIP),
-               "--peers", ",".join(peers), "--peer-adamw", "fused" if PEER_ADAMW == (True,) else "both",
+               "--peers", ",".join(peers), "--peer-adamw", PEER_ADAMW,
                "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--train-batch", str(args.train_batch),
                *_scale_flags(args)]
     out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     global PRECISION
     PRECISION = systems.PRECISION = args.precision or ("bf16" if on_cuda else "fp32")
     global PAPER, PEER_ADAMW
-    PEER_ADAMW = (True,) if args.peer_adamw == "fused" else (False, True)
+    PEER_ADAMW = args.peer_adamw
     PAPER = (args.paper_tokens, args.paper_steps, args.paper_sentences) if paper else None
     systems.ACCEL = args.accel
     systems.ACCEL_SKIP = tuple(piece for piece in args.accel_skip.split(",") if piece)
