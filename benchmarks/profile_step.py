@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -100,6 +101,17 @@ def measure(label: str, step, device: torch.device, steps: int, warmup: int) -> 
     print("   costliest:")
     for name, us in by_name.most_common(10):
         print(f"   {us / steps / 1e3:8.2f} ms  {us / total:5.1%}  {name}")
+
+
+class Variant(NamedTuple):
+    """A way to run the training step."""
+
+    label: str
+    system: type  # systems.Tformer (eager) or systems.TformerCompiled
+    skip: tuple[str, ...] = ()  # speed-layer pieces left out (the fused loss is a GPU piece)
+    attention: SDPBackend | None = None  # the one kernel torch's attention is held to
+    inductor: dict | None = None  # inductor settings to compile under
+    bf16_stream: bool = False  # the residual stream in bf16
 
 
 def inductor_settings(text: str) -> dict[str, object]:
@@ -174,6 +186,8 @@ def main() -> None:
     parser.add_argument("--bf16-stream", action="store_true",
                         help="eager and compiled variants with the residual stream in bf16")
     args = parser.parse_args()
+    if args.bf16_stream and args.device != "cuda":
+        parser.error("--bf16-stream: training runs under bf16 autocast on CUDA only")
     device = torch.device(args.device)
     size = systems.SIZES[args.size]
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else nullcontext
@@ -215,35 +229,35 @@ def main() -> None:
     batches = systems.paper_batches(size, args.tokens, args.steps, device)
     print(f"\ntraining: {len(batches)} batches, {sum(b.target_tokens for b in batches) // len(batches):,} target "
           "tokens each on average")
-    # (label, system, speed-layer pieces left out, attention kernel or None, inductor settings, bf16 stream)
-    variants = [("train, eager", systems.Tformer, (), None, {}, False),
-                ("train, eager, the loss unfused", systems.Tformer, ("loss",), None, {}, False)]
-    variants += [(f"train, eager, attention by {b.name}", systems.Tformer, (), b, {}, False) for b in args.attention]
-    if args.bf16_stream and device.type != "cuda":
-        raise SystemExit("--bf16-stream: training runs under bf16 autocast on CUDA only; this is --device cpu")
+    variants = [Variant("train, eager", systems.Tformer),
+                Variant("train, eager, the loss unfused", systems.Tformer, skip=("loss",))]
+    variants += [Variant(f"train, eager, attention by {b.name}", systems.Tformer, attention=b) for b in args.attention]
     if args.bf16_stream:
-        variants.append(("train, eager, residual stream in bf16", systems.Tformer, (), None, {}, True))
+        variants.append(Variant("train, eager, residual stream in bf16", systems.Tformer, bf16_stream=True))
     if not args.no_compile:
-        variants.append(("train, compiled (train.compile)", systems.TformerCompiled, (), None, {}, False))
-        variants += [(f"train, compiled, attention by {b.name}", systems.TformerCompiled, (), b, {}, False)
+        variants.append(Variant("train, compiled (train.compile)", systems.TformerCompiled))
+        variants += [Variant(f"train, compiled, attention by {b.name}", systems.TformerCompiled, attention=b)
                      for b in args.compile_attention]
         if args.bf16_stream:
-            variants.append(("train, compiled, residual stream in bf16", systems.TformerCompiled, (), None, {}, True))
+            variants.append(Variant("train, compiled, residual stream in bf16", systems.TformerCompiled,
+                                    bf16_stream=True))
     if args.inductor:
         settings = ", ".join(f"{key}={value}" for key, value in args.inductor.items())
-        variants.append((f"train, compiled with {settings}", systems.TformerCompiled, (), None, args.inductor, False))
-    for label, system_class, skip, backend, settings, stream in variants:
-        systems.ACCEL_SKIP = skip  # speed-layer pieces left out (the fused loss is a GPU piece)
-        system = system_class(size, device)
-        if stream:
+        variants.append(Variant(f"train, compiled with {settings}", systems.TformerCompiled, inductor=args.inductor))
+    for variant in variants:
+        systems.ACCEL_SKIP = variant.skip
+        system = variant.system(size, device)
+        if variant.bf16_stream:
             bf16_stream(system.model)
         batch = itertools.cycle(batches)
-        kernels = (lambda backend=backend: sdpa_kernel(backend)) if backend is not None else nullcontext
+        # a context a step (sdpa_kernel's is used up on exit)
+        kernels = (lambda backend=variant.attention: sdpa_kernel(backend)) if variant.attention is not None \
+            else nullcontext
         torch._dynamo.reset()  # each compiled variant compiles afresh, not from the graphs of the one before
-        if settings:
+        if variant.inductor:
             import torch._inductor.config as inductor
 
-            inductor_patch = inductor.patch(settings)
+            inductor_patch = inductor.patch(variant.inductor)
         else:
             inductor_patch = nullcontext()
 
@@ -252,9 +266,9 @@ def main() -> None:
                 system.train_step(next(batch))
 
         try:
-            measure(label, train_step, device, len(batches), warmup=2 * len(batches))
+            measure(variant.label, train_step, device, len(batches), warmup=2 * len(batches))
         except Exception as error:  # noqa: BLE001 (a variant that fails on this torch does not stop the rest)
-            print(f"\n== {label}: failed: {type(error).__name__}: {str(error).splitlines()[0]}")
+            print(f"\n== {variant.label}: failed: {type(error).__name__}: {str(error).splitlines()[0]}")
         del system
 
 
