@@ -45,14 +45,14 @@ suite() {
     "$PYTHON" benchmarks/run.py --device cuda --json "$RESULTS/suite.json"
 }
 
-# Decoding 3,000 sentences takes seconds to minutes a system, so it gets 3 timed repetitions, and the
-# peers its target names (Hugging Face generate) and CTranslate2, not nn.Transformer's uncached loop.
 # The peers train with fused AdamW only (their best; $PEER_ADAMW=both adds plain AdamW, twice the time).
 paper-train() {
     "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads train,memory --sizes "$SIZES" \
         --json "$RESULTS/paper-train-${SIZES/,/-}.json" --peers torch,marian,xtransformers,tformer-compile \
         --peer-adamw "${PEER_ADAMW:-fused}"
 }
+# Decoding 3,000 sentences takes seconds to minutes a system, so it gets 3 timed repetitions, and the
+# peers its target names (Hugging Face generate) and CTranslate2, not nn.Transformer's uncached loop.
 paper-decode() {
     "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads greedy,beam --sizes "$SIZES" \
         --json "$RESULTS/paper-decode-${SIZES/,/-}.json" --peers marian,ct2,ct2-int8 --repeats 3 --warmup 1
