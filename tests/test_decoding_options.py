@@ -255,6 +255,11 @@ def test_generate_with_a_prefix_alignment_and_mbr_from_the_command_line(trained_
     assert piped.exit_code == 0, piped.output
     first, second = _json_lines(piped.stdout)
     assert first["outputs"][0].startswith("zwei") and second["input"] == "seven"
+    # a prefix the target vocabulary cannot spell would lose its unknown token from the output
+    unspellable = runner.invoke(app, ["generate", run, "seven", "--prefix", "zw€i"])
+    assert unspellable.exit_code == 1 and "no token for '€'" in unspellable.output, unspellable.output
+    piped = runner.invoke(app, ["generate", run, "--json-input"], input='{"input": "seven", "prefix": "€"}\n')
+    assert piped.exit_code == 1 and "line 1: prefix" in piped.output, piped.output
     aligned = runner.invoke(app, ["generate", run, "twenty-one", "three hundred", "--align"])
     assert aligned.exit_code == 0, aligned.output
     out = aligned.stdout.splitlines()

@@ -4,7 +4,7 @@ they share beyond those in cli_options.py: ensembles, repetition control, minimu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -12,6 +12,9 @@ from tformer_cli.cli_options import (
     ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, JsonOpt, PrecisionOpt, RunArg,
     check_decoding_flags, check_text, load_for_decoding, stdin_lines)
 from tformer_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from tformer_cli.tokenizer import Vocabulary
 
 EnsembleOpt = Annotated[Optional[list[str]], typer.Option(
     "--ensemble", metavar="RUN[,RUN...]",
@@ -213,6 +216,7 @@ def generate(
     else:  # CTranslate2 converts the plain fp32 model
         loaded, models = load_ensemble([run], "cpu", "off")
         ct2, amp = CTranslate2Engine(loaded, dev, precision), None
+    check_prefix(loaded.vocab, "--prefix", prefix)
     layers = min(len(model.decoder.layers) for model in models.models)
     if align_layer is not None and align_layer > layers:
         raise UsageError(f"--align-layer {align_layer}: the model has {layers} decoder layers")
@@ -228,7 +232,7 @@ def generate(
     if texts:
         inputs = ((text, prefix) for text in texts)
     elif json_input:
-        inputs = json_lines(stdin_lines(sys.stdin.buffer), prefix)
+        inputs = json_lines(stdin_lines(sys.stdin.buffer), prefix, loaded.vocab)
     else:
         inputs = ((text, prefix) for text in stdin_lines(sys.stdin.buffer))
     # typed at a terminal, each line is translated when it is entered; piped, lines go in batches
@@ -250,9 +254,18 @@ def generate(
             number += 1
 
 
-def json_lines(lines, default_prefix: str | None):
-    """(text, prefix) from JSON lines {"input": TEXT, "prefix": TEXT}; a line that is not one is a
-    one-line error naming it."""
+def check_prefix(vocab: Vocabulary, where: str, prefix: str | None) -> None:
+    """A forced prefix must be spelt in the target vocabulary: an unknown token would drop out of the
+    output, which then would not start with the prefix."""
+    unknown = vocab.unknown_target_characters(prefix) if prefix else ""
+    if unknown:
+        raise UsageError(f"{where}: the run's target vocabulary has no token for {unknown!r}, so no output can "
+                         "start with this prefix; leave those characters out")
+
+
+def json_lines(lines, default_prefix: str | None, vocab: Vocabulary):
+    """(text, prefix) from JSON lines {"input": TEXT, "prefix": TEXT}; a line that is not one, or whose
+    prefix the target vocabulary cannot spell, is a one-line error naming it."""
     import json
 
     for number, line in enumerate(lines, 1):
@@ -265,6 +278,7 @@ def json_lines(lines, default_prefix: str | None):
                 or not isinstance(record.get("prefix", ""), str):
             raise UsageError(f'standard input, line {number}: expected {{"input": TEXT}}, optionally with '
                              '"prefix": TEXT')
+        check_prefix(vocab, f"standard input, line {number}: prefix", record.get("prefix"))
         yield record["input"], record.get("prefix", default_prefix)
 
 

@@ -130,6 +130,12 @@ class Vocabulary:
         """Target ids of the texts that outputs must start with, without BOS or EOS."""
         return _ids(self.target, texts)
 
+    def unknown_target_characters(self, text: str) -> str:
+        """The characters of ``text`` that the target vocabulary has no token for, each once, in order."""
+        encoding = self.target.encode(text, add_special_tokens=False)
+        unknown = (text[start:end] for i, (start, end) in zip(encoding.ids, encoding.offsets) if i == UNK_ID)
+        return "".join(dict.fromkeys(unknown))
+
     def decode_targets(self, sequences: Iterable[list[int]]) -> list[str]:
         """Ids (specials dropped) back to text."""
         return self.target.decode_batch([list(s) for s in sequences], skip_special_tokens=True)
