@@ -179,6 +179,32 @@ def test_eval_output_makes_its_folder_and_an_unwritable_path_is_a_one_line_error
                                                        f"hypotheses, e.g. {tmp_path / 'hyps.txt'}\n")
 
 
+def test_eval_output_never_replaces_a_runs_files_or_the_data_it_reads(run_dir, tmp_path):
+    run, dataset = tmp_path / "run", tmp_path / "numbers"  # copies: were a check to fail, nothing shared is lost
+    shutil.copytree(run_dir, run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    shutil.copytree(config["data"]["dataset"], dataset)
+    config["data"]["dataset"] = str(dataset)
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    source, target = tmp_path / "test.en", tmp_path / "test.de"  # a parallel text pair, named by language
+    source.write_text("seven\ntwelve\n"), target.write_text("sieben\nzwölf\n")
+    step = sorted((run / "checkpoints").iterdir())[0]
+    own = [run / "model.safetensors", run / "config.yaml", run / "tokenizer.json", run / "metrics.jsonl",
+           step / "model.safetensors", step / "trainer.pt"]
+    from_files = ["--data-files", str(source), "--data-files", str(target)]
+    refused = [([], path, "is one of a run's own files") for path in own] + [
+        ([], dataset / "test.jsonl", "lies in the data being evaluated"),
+        ([], dataset / "hyps.txt", "lies in the data being evaluated"),  # a local dataset would read it as data
+        (from_files, target, "is the data being evaluated")]
+    before = {path: path.read_bytes() for _, path, _ in refused if path.exists()}
+    for flags, output, message in refused:
+        result = runner.invoke(app, ["eval", str(run), "--max-samples", "2", *flags, "--output", str(output)])
+        assert result.exit_code == 1 and result.output.count("\n") == 1 and message in result.output, result.output
+    assert {path: path.read_bytes() for path in before} == before and not (dataset / "hyps.txt").exists()
+    result = runner.invoke(app, ["eval", str(run), *from_files, "--output", str(tmp_path / "hyps.txt")])
+    assert result.exit_code == 0 and len((tmp_path / "hyps.txt").read_text().splitlines()) == 2, result.output
+
+
 def test_resume_refuses_to_change_the_model_or_vocabulary_and_leaves_the_run_as_it_was(run_dir):
     before = (run_dir / "config.yaml").read_text()
     for override in ("model.d_model=8", "model.num_encoder_layers=5", "data.vocab_size=999"):

@@ -62,8 +62,11 @@ def test_jsonl_csv_parquet_and_gzip_give_the_same_pairs(tmp_path):
 def test_parallel_text_files_and_nested_fields(tmp_path):
     (tmp_path / "train.de").write_text("".join(r["de"] + "\n" for r in ROWS))
     (tmp_path / "train.en").write_text("".join(r["en"] + "\n" for r in ROWS))
-    cfg = DataConfig(data_files={"train": [str(tmp_path / "train.de"), str(tmp_path / "train.en")]}, format="text")
-    assert load_pairs(cfg, "train") == [(r["de"], r["en"]) for r in ROWS]
+    files = [str(tmp_path / "train.de"), str(tmp_path / "train.en")]
+    for fmt in ("text", "auto"):  # auto: two files named by their languages are a text pair
+        assert load_pairs(DataConfig(data_files={"train": files}, format=fmt), "train") == [(r["de"], r["en"]) for r in ROWS]
+    with pytest.raises(DataError, match=r"cannot tell the format of '.*train\.de' from its extension"):
+        load_pairs(DataConfig(data_files={"train": files[:1]}), "train")
     nested = _jsonl(tmp_path / "wmt.jsonl", [{"translation": r} for r in ROWS])
     cfg = DataConfig(data_files={"train": nested}, source="translation.de", target="translation.en", max_samples=5)
     assert load_pairs(cfg, "train") == [(r["de"], r["en"]) for r in ROWS[:5]]

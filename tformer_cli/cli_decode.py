@@ -14,6 +14,7 @@ from tformer_cli.cli_options import (
 from tformer_cli.errors import UsageError
 
 if TYPE_CHECKING:
+    from tformer_cli.config import DataConfig
     from tformer_cli.tokenizer import Vocabulary
 
 EnsembleOpt = Annotated[Optional[list[str]], typer.Option(
@@ -94,6 +95,7 @@ def eval_command(
     from tformer_cli.accel import check_mode
     from tformer_cli.decoding import DecodeOptions
     from tformer_cli.evaluation import evaluate_run
+    from tformer_cli.files import write_text_atomic
     from tformer_cli.render import eval_table, print_json
     from tformer_cli.runtime import resolve_device
 
@@ -108,18 +110,14 @@ def eval_command(
     dev = resolve_device(device or "auto")
     runs = ensemble_runs(run, ensemble)
     loaded, models, amp = load_for_decoding(runs, dev, accel, precision)
-    if output:  # a folder or an unwritable path fails now, not after the evaluation (nor before the run loads)
-        if output.is_dir():
-            raise UsageError(f"--output {output}: is a folder; name a file for the hypotheses, "
-                             f"e.g. {output / 'hyps.txt'}")
-        output.parent.mkdir(parents=True, exist_ok=True)
-        open(output, "a").close()
     data = loaded.config.data
     split = split or data.test_split or "test"
     if data_files:
         data = replace(data, data_files={split: [str(f) for f in data_files]}, format="auto")
     data = replace(data, source=source_field or data.source, target=target_field or data.target,
                    max_samples=max_samples)
+    if output:  # a wrong or unwritable path fails now, not after the evaluation (nor before the run loads)
+        check_hypotheses_file(output, data)
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=beam_size, length_penalty=length_penalty,
                                         min_len=min_len, no_repeat_ngram=no_repeat_ngram, mbr=mbr,
                                         mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, epsilon=epsilon,
@@ -130,7 +128,7 @@ def eval_command(
                               loaded.config.train.batch_multiple)
     hypotheses = result.pop("hypotheses")
     if output:
-        output.write_text("".join(h + "\n" for h in hypotheses))
+        write_text_atomic(output, "".join(h + "\n" for h in hypotheses))
     result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam_size=options.beam_size,
                   precision=precision)
     if len(runs) > 1:
@@ -252,6 +250,26 @@ def generate(
                      f"{result.source[:40]}…")
             generation_lines(result, json_output, number, loaded.vocab if align else None)
             number += 1
+
+
+def check_hypotheses_file(output: Path, data: DataConfig) -> None:
+    """eval's ``--output`` may replace a file of its own, never a run's files or the data it reads; it
+    is created now, so that an unwritable path fails before the evaluation."""
+    from tformer_cli.data import local_sources
+    from tformer_cli.run_folder import is_run_file
+
+    if output.is_dir():
+        raise UsageError(f"--output {output}: is a folder; name a file for the hypotheses, e.g. {output / 'hyps.txt'}")
+    if is_run_file(output):
+        raise UsageError(f"--output {output}: is one of a run's own files, which the hypotheses would replace; "
+                         "name another file, e.g. hyps.txt")
+    where = output.resolve()
+    for source in local_sources(data):
+        if where == source or source in where.parents:
+            raise UsageError(f"--output {output}: {'is' if where == source else 'lies in'} the data being evaluated "
+                             f"({source}); write the hypotheses elsewhere, e.g. hyps.txt")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    open(output, "a").close()
 
 
 def check_prefix(vocab: Vocabulary, where: str, prefix: str | None) -> None:

@@ -67,6 +67,16 @@ def absolute_paths(cfg: DataConfig) -> DataConfig:
     return replace(cfg, dataset=absolute(cfg.dataset), data_files=files)
 
 
+def local_sources(cfg: DataConfig) -> list[Path]:
+    """The local data files, or the local dataset folder, that ``cfg``'s splits are read from (none
+    for a hub dataset), resolved."""
+    if cfg.data_files:
+        files = [[f] if isinstance(f, str) else f for f in cfg.data_files.values()]
+        return [Path(f).expanduser().resolve() for split in files for f in split]
+    folder = Path(cfg.dataset).expanduser()
+    return [folder.resolve()] if folder.is_dir() else []
+
+
 def load_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
     """The (source, target) texts of one split, trimmed to ``max_samples``, as Python strings (for the
     splits that are evaluated; ``read_pairs`` reads a training split of millions a slice at a time).
@@ -90,7 +100,7 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
                             f"add it or set the split name in data.*_split")
         files = cfg.data_files[split]
         files = [files] if isinstance(files, str) else list(files)
-        fmt = cfg.format if cfg.format != "auto" else _format_of(files[0])
+        fmt = cfg.format if cfg.format != "auto" else _format_of(files)
     where = f"{', '.join(files) if cfg.data_files else cfg.dataset}: split '{split}'"
     try:
         if not cfg.data_files:
@@ -136,12 +146,17 @@ def _not_utf8(where: str, exc: UnicodeDecodeError) -> DataError:
                      "data to UTF-8, e.g. iconv -t UTF-8")
 
 
-def _format_of(path: str) -> str:
-    suffixes = [s for s in Path(path).suffixes if s != ".gz"]
-    fmt = FORMATS.get(suffixes[-1] if suffixes else "")
-    if fmt is None:
-        raise DataError(f"cannot tell the format of '{path}'; set data.format to json, csv, parquet or text")
-    return fmt
+def _format_of(files: list[str]) -> str:
+    """The format that the first file's extension names; two files without a known extension are a
+    source and a target text file, named by their languages as Moses and fairseq name them (train.de,
+    train.en)."""
+    formats = [FORMATS.get(next((s for s in reversed(Path(f).suffixes) if s != ".gz"), "")) for f in files]
+    if formats[0] is not None:
+        return formats[0]
+    if len(files) == 2 and not any(formats):
+        return "text"
+    raise DataError(f"cannot tell the format of '{files[0]}' from its extension; name it .jsonl, .csv, .parquet or "
+                    ".txt, or set data.format to json, csv, parquet or text")
 
 
 def _check_files(files: list[str]) -> None:

@@ -40,6 +40,15 @@ def is_marked(run_dir: Path) -> bool:
     return (run_dir / MARKER).is_file()
 
 
+def is_run_file(path: Path) -> bool:
+    """Whether ``path`` is one of a run's own files (its config, weights, tokenizer, metrics, or a
+    checkpoint's), which no command's output may be written over."""
+    folder = Path(path).parent
+    if (folder / CONFIG).is_file() or is_marked(folder):
+        return path.name in _TOP
+    return folder.parent.name == CHECKPOINTS and path.name in _CHECKPOINT_FILES
+
+
 def foreign_files(run_dir: Path) -> list[Path]:
     """Everything in ``run_dir`` that tformer does not write there (temporary files of its own
     interrupted writes count as its own), in sorted order."""
