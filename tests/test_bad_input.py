@@ -191,6 +191,8 @@ def _data_cases() -> list[Case]:
                                             "--source-field", "fr"], "field 'fr' not in the dataset"),
         Case("data/train/dataset-folder-missing", TRAIN, "no such folder",
              files={"c.yaml": _config(data={"dataset": "./nowhere"})}),
+        Case("data/train/dataset-folder-without-data", TRAIN, "a dataset folder holds a file per split",
+             files={"c.yaml": _config(data={"dataset": "{tmp}"})}),
         Case("data/train/split-missing", TRAIN, "has no split 'dev'",
              files={"c.yaml": _config(data={"validation_split": "dev"})}),
         Case("data/eval/split-missing", ["eval", "{run}", "--split", "dev"], "has no split 'dev'"),
@@ -235,6 +237,7 @@ def _run_file_cases() -> list[Case]:
                                                         ("wrong-shape", "SMALL", "weights do not fit|differ in names or shapes")],
         "metrics.jsonl": [("binary", BINARY, "not UTF-8 text"), ("non-utf8", b'{"a": "\xff"}\n', "not UTF-8 text"),
                           ("wrong-structure", "[1, 2]\n{}\n", "line 1: not a JSON object"),
+                          ("empty", "", "holds no training or validation figures|no validation loss recorded"),
                           ("missing", None, "no metrics.jsonl")],
     }
     cases = []

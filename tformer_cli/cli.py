@@ -17,7 +17,7 @@ from tformer_cli import __version__
 from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
     ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, QuietOpt, RunArg, SetOpt, check_image_name, check_text)
-from tformer_cli.errors import Interrupted, TformerError, UsageError, first_line
+from tformer_cli.errors import CheckpointError, Interrupted, TformerError, UsageError, first_line
 
 
 class _ErrorBoundary(TyperGroup):
@@ -258,6 +258,9 @@ def plot(
     path = output or Path(run) / "curves.png"
     check_image_name("--output", path)
     records = read_metrics(run)
+    if not any(r.get("split") in ("train", "validation") for r in records):
+        raise CheckpointError(f"{run}: metrics.jsonl holds no training or validation figures yet; train logs them "
+                              "every train.log_every steps")
     plot_curves(records, path, title=str(run))
     if json_output:
         splits = [r.get("split") for r in records]

@@ -257,7 +257,8 @@ def _load_named(name: str, subset: str | None, split: str):
             raise DataError(f"could not read {failed[-1]} of the dataset folder '{name}': "
                             f"{first_line(_parser_error(exc))}") from exc
         if local:
-            raise DataError(f"could not load the dataset folder '{name}': {first_line(exc)}") from exc
+            raise DataError(f"could not load the dataset folder '{name}': {first_line(exc)}; a dataset folder holds "
+                            "a file per split, e.g. train.jsonl, validation.jsonl, test.jsonl") from exc
         why = (f": it is unreachable ({unreachable}) and the datasets cache has no copy;" if unreachable
                else f" ({type(exc).__name__}); offline, or a folder elsewhere?")
         raise DataError(
