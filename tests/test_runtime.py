@@ -38,6 +38,17 @@ def test_keep_last_prunes_old_checkpoints_and_weights_round_trip(tmp_path):
     for step in range(1, 6):
         save_checkpoint(tmp_path, step, model, {"state": {}}, keep_last=2)
     assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000004", "step-00000005"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000004", "step-00000005"]
+    # pruning deletes the checkpoint's own files, not a user's file beside them
+    (tmp_path / "checkpoints" / "step-00000004" / "hyps.txt").write_text("mine\n")
+    save_checkpoint(tmp_path, 6, model, {"state": {}}, keep_last=2)
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000005", "step-00000006"]
+    assert [p.name for p in (tmp_path / "checkpoints" / "step-00000004").iterdir()] == ["hyps.txt"]
+    # so does writing a checkpoint again over one of the same step
+    (tmp_path / "checkpoints" / "step-00000006" / "notes.txt").write_text("mine too\n")
+    save_checkpoint(tmp_path, 6, model, {"state": {"again": torch.ones(1)}}, keep_last=2)
+    assert (tmp_path / "checkpoints" / "step-00000006" / "notes.txt").read_text() == "mine too\n"
+    assert "again" in torch.load(tmp_path / "checkpoints" / "step-00000006" / "trainer.pt")["state"]
     save_weights(model, tmp_path / "w.safetensors")
     again = build_model(tiny_model_config(), 30)
     load_weights(again, tmp_path / "w.safetensors")

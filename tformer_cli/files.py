@@ -38,8 +38,9 @@ def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         _sync(tmp)
-        if path.is_dir() and tmp.is_dir():
-            _remove(path)  # a folder cannot be renamed over a full one; the old one goes only once the new is written
+        if path.is_dir() and tmp.is_dir():  # a folder cannot be renamed over a full one
+            _carry_over(path, tmp)
+            _remove(path)  # only once the new one is written
         os.replace(tmp, path)
         _sync_folder(path.parent)
     except BaseException as exc:
@@ -121,6 +122,14 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Move into the folder ``new`` whatever the folder ``old`` that it replaces holds and it does not:
+    replacing a folder replaces the files written into it, not a user's files beside them."""
+    for entry in old.iterdir():
+        if not (new / entry.name).exists() and not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+            os.replace(entry, new / entry.name)
 
 
 def _remove(path: Path) -> None:

@@ -49,6 +49,16 @@ def is_run_file(path: Path) -> bool:
     return folder.parent.name == CHECKPOINTS and path.name in _CHECKPOINT_FILES
 
 
+def remove_checkpoint(folder: Path) -> None:
+    """Delete a step checkpoint's own files, and the folder once it is empty: a file put there by
+    someone else stays, in a folder that no longer counts as a checkpoint."""
+    for path in folder.iterdir():
+        if _is_own_file(path, _CHECKPOINT_FILES):
+            path.unlink()
+    if not any(folder.iterdir()):
+        folder.rmdir()
+
+
 def foreign_files(run_dir: Path) -> list[Path]:
     """Everything in ``run_dir`` that tformer does not write there (temporary files of its own
     interrupted writes count as its own), in sorted order."""

@@ -38,7 +38,7 @@ from tformer_cli.config import Config, load_config, to_yaml
 from tformer_cli.ensemble import Ensemble
 from tformer_cli.errors import CheckpointError, UsageError, first_line
 from tformer_cli.files import read_jsonl, replacing, write_text_atomic
-from tformer_cli.run_folder import CHECKPOINTS, CONFIG, METRICS, TRAINER, WEIGHTS, mark_run_folder
+from tformer_cli.run_folder import CHECKPOINTS, CONFIG, METRICS, TRAINER, WEIGHTS, mark_run_folder, remove_checkpoint
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 
@@ -200,7 +200,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
         save_model(_unwrap(model), str(tmp / WEIGHTS))
         torch.save(trainer_state, tmp / TRAINER)
     for old in step_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_checkpoint(old)
     return final
 
 
