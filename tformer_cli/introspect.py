@@ -57,7 +57,8 @@ def capture_attention(model: torch.nn.Module, vocab: Vocabulary, source: str, ta
     max_len = model.encoder.embed.max_len
     src_ids = vocab.encode_sources([source])[0]
     if len(src_ids) > max_len:
-        raise UsageError(f"the source has {len(src_ids)} tokens, more than the model's {max_len} positions")
+        raise UsageError(f"the source has {len(src_ids)} tokens, more than the model's {max_len} positions; inspect "
+                         "a shorter sentence")
     src = torch.tensor([src_ids], device=_device(model))
     if target is None:
         limit = max_new_tokens or max_len - 1
