@@ -179,6 +179,23 @@ def test_a_run_saved_before_a_key_existed_resumes_as_it_was_trained(tmp_path, se
     assert train(config, run_dir, resume=True).state.step == 4
 
 
+def test_a_resume_on_other_training_data_says_it_will_not_match_a_run_never_stopped(tmp_path):
+    path = write_config(tmp_path / "d.yaml", train={"max_steps": 2})
+    train(load_config(path), tmp_path / "run")
+
+    def warnings(overrides: list[str]) -> list[str]:
+        events = []
+        config, run_dir = prepare_run(None, tmp_path / "run", overrides, None)
+        train(config, run_dir, resume=True, callback=lambda event, data: events.append((event, data)))
+        return [data["message"] for event, data in events if event == "warning"]
+
+    assert warnings(["train.max_steps=3"]) == []
+    changed = warnings(["train.max_steps=4", "data.max_samples=200"])
+    assert len(changed) == 1 and changed[0].startswith("the training split differs from the one step-00000003 was "
+                                                       "trained on (200 pairs now)")
+    assert warnings(["train.max_steps=5", "data.max_samples=200"]) == []  # the new data is the run's from then on
+
+
 def test_resuming_a_run_at_its_step_limit_trains_no_further(tmp_path):
     path = write_config(tmp_path / "done.yaml", train={"max_steps": 3})
     train(load_config(path), tmp_path / "run")

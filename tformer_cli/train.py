@@ -61,6 +61,7 @@ class TrainState:
     best_step: int | None = None
     evals_without_improvement: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    train_data: str | None = None  # the training split's signature (EncodedSplit.signature)
 
 
 @dataclass
@@ -111,6 +112,12 @@ class _Setup:
         if checkpoint is not None:
             saved = self._restore(checkpoint)
             self.saved_step = self.state.step
+        data = self.train_data.signature()
+        if self.state.train_data not in (None, data):
+            notify("warning", {"message": f"the training split differs from the one {checkpoint.name} was trained on "
+                               f"({len(self.train_data):,} pairs now): training goes on over the new data, so the "
+                               "run will not match one that was never stopped"})
+        self.state.train_data = data
         # where rank 0 logs figures; TensorBoard drops what it logged after the checkpoint, as _restore
         # trims metrics.jsonl
         board = TensorBoard(run_dir, self.state.step + 1 if checkpoint is not None else None) \
