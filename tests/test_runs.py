@@ -30,6 +30,27 @@ def test_a_new_run_never_overwrites_an_old_one(tmp_path):
     assert (other / "notes.txt").read_text() == "keep me"
 
 
+def test_a_run_being_trained_is_neither_trained_again_nor_overwritten_and_a_failed_start_leaves_no_folder(tmp_path):
+    from tformer_cli.errors import DataError
+    from tformer_cli.run_folder import writing
+
+    path = write_config(tmp_path / "w.yaml", train={"max_steps": 1})
+    run = tmp_path / "run"
+    train(load_config(path), run)
+    before = sorted(p.name for p in run.rglob("*"))
+    with writing(run):  # as a training process holds it
+        busy = "another `tformer train` is writing this run now"
+        with pytest.raises(UsageError, match=busy):
+            train(*prepare_run(None, run, ["train.max_steps=2"], None), resume=True)
+        with pytest.raises(UsageError, match=busy):
+            prepare_run(path, None, [], run, overwrite=True)
+    assert sorted(p.name for p in run.rglob("*")) == before
+    assert train(*prepare_run(None, run, ["train.max_steps=2"], None), resume=True).state.step == 2  # released
+    with pytest.raises(DataError):
+        train(load_config(path, ["data.dataset=./nowhere"]), tmp_path / "failed")
+    assert not (tmp_path / "failed").exists()
+
+
 def test_a_runs_config_finds_its_local_data_from_any_directory(tmp_path, monkeypatch):
     files = {"train": "data/numbers/train.jsonl", "validation": ["data/numbers/validation.jsonl", "nope.jsonl"]}
     path = write_config(tmp_path / "rel.yaml", data={"data_files": files})

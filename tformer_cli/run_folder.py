@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
+from tformer_cli.errors import UsageError
 from tformer_cli.tokenizer import JOINT_FILE, SOURCE_FILE, TARGET_FILE
 
 MARKER = ".tformer-run"  # written first, when tformer creates a run folder
@@ -38,6 +42,54 @@ def mark_run_folder(run_dir: Path) -> None:
 
 def is_marked(run_dir: Path) -> bool:
     return (run_dir / MARKER).is_file()
+
+
+@contextmanager
+def writing(run_dir: Path) -> Iterator[None]:
+    """Hold ``run_dir`` while one process trains into it: its marker (made if needed) is locked, so
+    that a second ``tformer train`` on the folder, or an ``--overwrite`` of it, stops with one line
+    instead of interleaving its checkpoints and metrics with the first one's. The OS releases the lock
+    when the process ends, however it ends. A folder made here that holds only the marker at the end
+    (a start that failed before writing anything) is removed."""
+    made = not run_dir.exists()
+    mark_run_folder(run_dir)
+    lock = _lock(run_dir)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.close()
+        if made and [path.name for path in run_dir.iterdir()] == [MARKER]:
+            (run_dir / MARKER).unlink()
+            run_dir.rmdir()
+
+
+def check_not_being_written(run_dir: Path) -> None:
+    """A UsageError if a training process holds ``run_dir`` (see ``writing``)."""
+    if is_marked(run_dir):
+        lock = _lock(run_dir)
+        if lock is not None:
+            lock.close()
+
+
+def _lock(run_dir: Path) -> IO[bytes] | None:
+    """The marker, opened and locked for this process; None where locks are not to be had (Windows,
+    a file system without them)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    marker = open(run_dir / MARKER, "rb")
+    try:
+        fcntl.flock(marker, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        marker.close()
+        raise UsageError(f"{run_dir}: another `tformer train` is writing this run now; wait for it to end (or stop "
+                         "it), or pick another --output-dir") from None
+    except OSError:
+        marker.close()
+        return None
+    return marker
 
 
 def is_run_file(path: Path) -> bool:

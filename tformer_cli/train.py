@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
 from tformer_cli.parallel import (
     Workers, distribute, gathered, gradient_sync, load_optimizer_state, local, optimizer_state, shard_like)
 from tformer_cli.params import train_flops_per_token
-from tformer_cli.run_folder import CHECKPOINTS, METRICS, WEIGHTS
+from tformer_cli.run_folder import CHECKPOINTS, METRICS, WEIGHTS, writing
 from tformer_cli.runtime import (
     autocast, load_trainer_state, load_weights, matmul_peak, memory_mib, resolve_device, rng_state, save_checkpoint,
     save_run_files, save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints)
@@ -202,7 +202,13 @@ class _Setup:
 def train(config: Config, run_dir: Path, resume: bool = False, callback: Callback | None = None,
           workers: Workers = Workers()) -> TrainResult:
     """Train ``config`` into ``run_dir`` (or continue the run there when ``resume``), as one of
-    ``workers`` (see ``parallel.py``; by default the only process)."""
+    ``workers`` (see ``parallel.py``; by default the only process). The process that writes the run
+    holds its folder meanwhile: another ``tformer train`` on it stops with one line."""
+    with writing(run_dir) if workers.main else nullcontext():
+        return _train(config, run_dir, resume, callback, workers)
+
+
+def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | None, workers: Workers) -> TrainResult:
     notify: Callback = callback if callback and workers.main else (lambda event, data: None)
     cfg = config.train
     if workers.size > 1 and config.data.bpe_dropout:
