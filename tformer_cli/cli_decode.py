@@ -40,8 +40,8 @@ SeedOpt = Annotated[Optional[int], typer.Option(help="Seed for reproducible samp
 def check_mbr(mbr: int, metric: str, candidates: str, nbest: int = 1) -> None:
     from tformer_cli.mbr import METRICS
 
-    if mbr < 0:
-        raise UsageError(f"--mbr {mbr}: must be >= 1 (or 0: off)")
+    if mbr < 0 or mbr == 1:
+        raise UsageError(f"--mbr {mbr}: must be >= 2, candidates for each to agree with (or 0: off)")
     if metric not in METRICS:
         raise UsageError(f"--mbr-metric {metric}: expected {' or '.join(METRICS)}")
     if candidates not in ("sample", "beam"):
