@@ -241,7 +241,9 @@ def run_memory(size: str, device, peers, repeats: int, scale_flags: list[str]) -
 def run_data(step_seconds: float | None) -> list[dict]:
     """Tokenise and batch Multi30k's training pairs (or generated text when it is absent)."""
     from tformer_cli.config import DataConfig, TrainConfig
-    from tformer_cli.data import collate, encode_split, load_pairs, token_batches
+    from tformer_cli.batching import collate, token_batches
+    from tformer_cli.data import load_pairs
+    from tformer_cli.encoding import encode_split
     from tformer_cli.tokenizer import Vocabulary
 
     if MULTI30K.is_dir():

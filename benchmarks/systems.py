@@ -53,7 +53,7 @@ class TrainBatch:
     src: torch.Tensor  # (B, S)
     tgt_in: torch.Tensor  # (B, T)
     tgt_out: torch.Tensor  # (B, T)
-    real: torch.Tensor  # the real target tokens' positions in tgt_out.flatten(), found on the host (``data.Batch``)
+    real: torch.Tensor  # the real target tokens' positions in tgt_out.flatten(), found on the host (``batching.Batch``)
 
     @property
     def target_tokens(self) -> int:
@@ -62,7 +62,7 @@ class TrainBatch:
     @classmethod
     def of(cls, src: torch.Tensor, tgt: torch.Tensor, device: torch.device) -> "TrainBatch":
         """From host tensors: sources (B, S) and targets (B, T + 1) with <s> first."""
-        from tformer_cli.data import real_positions
+        from tformer_cli.batching import real_positions
 
         real = real_positions(tgt[:, 1:])
         return cls(src.to(device), tgt[:, :-1].to(device), tgt[:, 1:].to(device), real.to(device))
@@ -80,9 +80,9 @@ def paper_batches(size: Size, target_tokens: int, count: int, device: torch.devi
     """``count`` training batches as ``tformer train`` makes them at the paper's scale: sentence pairs
     with lengths drawn like real data (target mean ~27 tokens, a tail past 100; the source within
     ~15 % of its target), sorted and cut into batches of about ``target_tokens`` padded tokens by
-    tformer's own batching (``data.token_batches``), ``count`` of them taken from the shuffled order."""
+    tformer's own batching (``batching.token_batches``), ``count`` of them taken from the shuffled order."""
     from tformer_cli.config import TrainConfig
-    from tformer_cli.data import token_batches
+    from tformer_cli.batching import token_batches
 
     generator = torch.Generator().manual_seed(seed)
     src_lengths, tgt_lengths = paper_lengths(max(4 * count * target_tokens // 27, 64), generator)
@@ -107,7 +107,7 @@ def paper_sources(size: Size, sentences: int, batch_tokens: int, device: torch.d
     orders a test set, batched by tokens (``tformer eval`` cuts by sentences, 256 hypotheses a batch:
     at real lengths about as many as 8,192 tokens hold), each batch with the tokens to decode for it:
     its longest source's length (a translation is about as long as its source; no system stops early)."""
-    from tformer_cli.data import token_batches
+    from tformer_cli.batching import token_batches
 
     generator = torch.Generator().manual_seed(seed)
     lengths, _ = paper_lengths(sentences, generator)
@@ -183,7 +183,7 @@ class Tformer(System):
         self.loss = label_smoothed_loss
 
     def train_step(self, batch: TrainBatch) -> None:
-        from tformer_cli.data import Batch
+        from tformer_cli.batching import Batch
 
         self.model.train()
         ours = Batch(batch.src, batch.tgt_in, batch.tgt_out, [], batch.real)

@@ -14,7 +14,7 @@ from tformer_cli.accel import ONEDNN_CACHE_CAPACITY, accelerate, gemm, linear, w
 from tformer_cli.accel.attention import CpuAttention
 from tformer_cli.accel.dropout import FastDropout
 from tformer_cli.accel.linear import FastFeedForward, FastLinear
-from tformer_cli.data import Batch
+from tformer_cli.batching import Batch
 from tformer_cli.decoding import DecodeOptions, decode_batch
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.model import build_model
@@ -113,7 +113,7 @@ def test_int8_weights_decode_like_fp32(trained_run):
     quantized = [m for m in int8.model.modules() if type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")]
     assert len(quantized) == len(linears)  # the output projection too, its fp32 weight kept and still tied
     assert int8.model.output_proj.weight is int8.model.decoder.embed.embedding.weight
-    from tformer_cli.data import pad_sequences
+    from tformer_cli.batching import pad_sequences
 
     src = pad_sequences(plain.vocab.encode_sources(["twenty-one thousand", "three hundred four"]))
     tgt = pad_sequences(plain.vocab.encode_targets(["einundzwanzigtausend", "dreihundertvier"]))[:, :-1]

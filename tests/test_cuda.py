@@ -175,7 +175,7 @@ def test_a_training_step_on_cuda_never_waits_for_the_gpu():
     queue kernels without waiting for the GPU: the host stays ahead of it from one step to the next."""
     from tformer_cli.accel import accelerate
     from tformer_cli.config import TrainConfig
-    from tformer_cli.data import Batch
+    from tformer_cli.batching import Batch
     from tformer_cli.evaluation import label_smoothed_loss
     from tformer_cli.optim import make_optimizer
 

@@ -6,9 +6,11 @@ from dataclasses import replace
 import pytest
 
 from tformer_cli.config import DataConfig
-from tformer_cli.data import (cached_vocabulary, collate, data_fingerprint, encode_split, encodings_cached,
-                              load_encoded, load_pairs, prepare_apart, resegment, token_batches,
-                              train_or_load_vocabulary)
+from tformer_cli.batching import collate, token_batches
+from tformer_cli.data import load_pairs
+from tformer_cli.encoding import (
+    cached_vocabulary, data_fingerprint, encode_split, encodings_cached, load_encoded, prepare_apart, resegment,
+    train_or_load_vocabulary)
 from tformer_cli.errors import DataError
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
@@ -212,19 +214,19 @@ def test_encoded_splits_are_cached(tmp_path):
 
 
 def test_worker_processes_encode_a_split_as_one_process_does(tmp_path, monkeypatch):
-    import tformer_cli.data as data
+    import tformer_cli.encoding as encoding
 
     rows = ROWS + [{"de": "", "en": "leer"}, {"de": "ein Haus " * 20, "en": "a house"}] + ROWS[:5]
     cfg = DataConfig(data_files={"train": _jsonl(tmp_path / "train.jsonl", rows)}, source="de", target="en",
                      max_length=16)
     vocab = Vocabulary.train([(r["de"], r["en"]) for r in ROWS], vocab_size=60, min_frequency=1)
-    monkeypatch.setattr(data, "ENCODE_IN_WORKERS", 1)  # any split: workers
-    monkeypatch.setattr(data, "usable_cpus", lambda: 3)  # three of them, so that the ranges are uneven
+    monkeypatch.setattr(encoding, "ENCODE_IN_WORKERS", 1)  # any split: workers
+    monkeypatch.setattr(encoding, "usable_cpus", lambda: 3)  # three of them, so that the ranges are uneven
     parallel = load_encoded(cfg, "train", vocab)
     serial = encode_split(load_pairs(cfg, "train"), vocab, cfg)
     assert parallel.src == serial.src and parallel.tgt == serial.tgt and list(parallel.pairs) == list(serial.pairs)
     assert (parallel.dropped_empty, parallel.dropped_long) == (serial.dropped_empty, serial.dropped_long) == (1, 1)
-    assert not list((data.cache_dir()).glob("encoding-*"))  # the workers' parts are gone
+    assert not list((encoding.cache_dir()).glob("encoding-*"))  # the workers' parts are gone
 
 
 def test_a_child_process_fills_the_cache_with_what_this_process_would_have_made(tmp_path, monkeypatch):
@@ -256,7 +258,7 @@ def test_a_child_process_fills_the_cache_with_what_this_process_would_have_made(
 
 
 def test_the_child_process_errors_arrive_as_one_line_errors(tmp_path):
-    from tformer_cli.data import _in_child
+    from tformer_cli.encoding import _in_child
 
     missing = DataConfig(data_files={"train": str(tmp_path / "nowhere.jsonl")}, source="de", target="en")
     with pytest.raises(DataError) as raised:
@@ -272,7 +274,7 @@ def test_a_signal_while_the_child_works_stops_it_at_once():
     import signal
     import time
 
-    from tformer_cli.data import _in_child
+    from tformer_cli.encoding import _in_child
     from tformer_cli.errors import Interrupted
 
     def interrupted(signum, frame):  # as training's set-up handles SIGINT and SIGTERM
@@ -347,7 +349,7 @@ def test_token_batches_hold_a_multiple_of_sentences_wherever_that_many_fit():
 
 
 def test_collate_pads_and_shifts_targets():
-    from tformer_cli.data import EncodedSplit
+    from tformer_cli.encoding import EncodedSplit
 
     split = EncodedSplit(src=[[5, 6, 2], [7, 2]], tgt=[[1, 8, 9, 2], [1, 8, 2]], pairs=[("", "")] * 2)
     batch = collate(split, [0, 1])

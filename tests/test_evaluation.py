@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HostReads, tiny_model_config
-from tformer_cli.data import Batch, EncodedSplit
+from tformer_cli.batching import Batch
+from tformer_cli.encoding import EncodedSplit
 from tformer_cli.evaluation import corpus_scores, evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
 

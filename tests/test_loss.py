@@ -214,7 +214,7 @@ def test_the_compiled_fused_terms_equal_the_uncompiled_ones(monkeypatch):
 @pytest.mark.parametrize("rdrop", [0.0, 1.0])
 def test_train_compiles_the_model_and_leaves_the_fused_loss_to_its_own_kernel(rdrop, monkeypatch, fused_on_cpu):
     from conftest import tiny_model_config
-    from tformer_cli.data import Batch
+    from tformer_cli.batching import Batch
     from tformer_cli.evaluation import compiled_loss, label_smoothed_loss
     from tformer_cli.model import build_model
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import tformer_cli.train as training
 from conftest import write_config
 from tformer_cli.cli import app
-from tformer_cli.data import cache_dir
+from tformer_cli.encoding import cache_dir
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.files import append_jsonl, read_jsonl
 from tformer_cli.optim import learning_rate

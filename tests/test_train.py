@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_model_config, write_config
 from tformer_cli.config import load_config
-from tformer_cli.data import Batch, token_batches
+from tformer_cli.batching import Batch, token_batches
 from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.model import build_model
@@ -289,7 +289,7 @@ def test_bf16_autocast_trains_on_cpu_and_warns_where_it_would_be_slow(tmp_path, 
 
 def test_bpe_dropout_resegments_the_training_split_every_epoch(tmp_path, monkeypatch):
     import tformer_cli.train as training
-    from tformer_cli.data import resegment
+    from tformer_cli.encoding import resegment
 
     drawn = []
 
@@ -359,16 +359,16 @@ def test_fp16_loss_scale_is_kept_across_a_resume(tmp_path):
 
 
 def test_a_run_on_data_not_yet_cached_reads_and_tokenises_it_in_a_child_process(tmp_path, monkeypatch):
-    """Reading and tokenising leave libraries and heap behind (data.prepare_apart): a run whose data is
+    """Reading and tokenising leave libraries and heap behind (encoding.prepare_apart): a run whose data is
     not cached has a child process fill the cache, then trains from it. Here reading fails; the run
     does not, and a second run finds everything cached."""
-    import tformer_cli.data as data
+    import tformer_cli.encoding as encoding
 
     def read_here(*args):
         raise AssertionError("the training process read the data")
 
-    monkeypatch.setattr(data, "read_pairs", read_here)
-    monkeypatch.setattr(data, "PREPARE_APART_FROM", 100)  # so that tiny data is prepared apart too
+    monkeypatch.setattr(encoding, "read_pairs", read_here)
+    monkeypatch.setattr(encoding, "PREPARE_APART_FROM", 100)  # so that tiny data is prepared apart too
     path = write_config(tmp_path / "c.yaml", data={"max_samples": 137}, train={"max_steps": 2})  # not yet cached
     for run, prepared in (("first", True), ("second", False)):
         events = []

@@ -406,7 +406,7 @@ def translate(model: torch.nn.Module | Ensemble, vocab: Vocabulary, texts: list[
     Empty texts give an empty output without running the model; sources longer than the model's
     positions are truncated (keeping the closing EOS) and flagged.
     """
-    from tformer_cli.data import pad_sequences
+    from tformer_cli.batching import pad_sequences
 
     models = as_ensemble(model)
     max_len = models.max_len

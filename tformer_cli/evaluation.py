@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from tformer_cli.accel import ops
-from tformer_cli.data import Batch, EncodedSplit, collate, token_batches
+from tformer_cli.batching import Batch, collate, token_batches
+from tformer_cli.encoding import EncodedSplit
 from tformer_cli.ensemble import Ensemble, as_ensemble
 from tformer_cli.loss import linear_smoothed_cross_entropy
 
@@ -175,7 +176,8 @@ def evaluate_run(model: torch.nn.Module | Ensemble, vocab, data_cfg, split: str,
     and speed, on one split. Returns the figures and the hypotheses in input order."""
     import time
 
-    from tformer_cli.data import encode_split, load_pairs
+    from tformer_cli.data import load_pairs
+    from tformer_cli.encoding import encode_split
     from tformer_cli.decoding import translate
 
     pairs = load_pairs(data_cfg, split)

@@ -23,8 +23,9 @@ import torch
 
 from tformer_cli.accel import accelerate, build_decoding_kernels, build_kernels
 from tformer_cli.config import Config, DecodeConfig, TrainConfig
-from tformer_cli.data import (
-    EncodedSplit, cached_vocabulary, collate, encodings_cached, load_encoded, prepare_apart, resegment, token_batches,
+from tformer_cli.batching import collate, token_batches
+from tformer_cli.encoding import (
+    EncodedSplit, cached_vocabulary, encodings_cached, load_encoded, prepare_apart, resegment,
     train_or_load_vocabulary, worth_preparing_apart)
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError, first_line

@@ -1,0 +1,99 @@
+"""Batches by tokens: examples of similar length grouped under a padded-token budget, then padded."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+from tformer_cli.encoding import EncodedSplit
+from tformer_cli.tokenizer import PAD_ID
+
+
+def real_positions(tgt_out: torch.Tensor) -> torch.Tensor:
+    """(N,) where ``tgt_out.flatten()`` holds its N real (non-pad) tokens."""
+    return (tgt_out.flatten() != PAD_ID).nonzero().squeeze(1)
+
+
+@dataclass
+class Batch:
+    src: torch.Tensor  # (B, S)
+    tgt_in: torch.Tensor  # (B, T): <s> y_1 ... y_m
+    tgt_out: torch.Tensor  # (B, T): y_1 ... y_m </s>
+    indices: list[int]  # positions in the split
+    # ``real_positions(tgt_out)``, found where the batch is made (on the host), so that the loss selects
+    # the real tokens without waiting for the GPU to count them
+    real: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.real is None:
+            self.real = real_positions(self.tgt_out)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-pad) target tokens."""
+        return self.real.numel()
+
+    def at_real(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) values of the target positions -> (num_tokens, ...) those of the real tokens."""
+        return x.flatten(0, 1).index_select(0, self.real)
+
+    def to(self, device: torch.device | str) -> "Batch":
+        # CUDA copies from pageable memory wait until the GPU has finished its queue; from pinned memory
+        # they queue behind it, and the host goes on to queue the step's kernels
+        pin = torch.device(device).type == "cuda"
+        src, tgt_in, tgt_out, real = ((t.pin_memory() if pin else t).to(device, non_blocking=True)
+                                      for t in (self.src, self.tgt_in, self.tgt_out, self.real))
+        return Batch(src, tgt_in, tgt_out, self.indices, real)
+
+
+def token_batches(src_lengths: list[int], tgt_lengths: list[int], max_tokens: int, seed: int = 0, epoch: int = 0,
+                  shuffle: bool = True, rank: int = 0, world_size: int = 1, multiple: int = 1) -> list[list[int]]:
+    """Group example indices into batches of at most ``max_tokens`` padded tokens (on the longer side).
+
+    Examples are sorted by length (ties broken randomly per epoch) so each batch holds similar lengths
+    and padding stays small; the batch order is then shuffled from (seed, epoch). A batch into which
+    ``multiple`` examples or more fit holds a multiple of ``multiple`` (the rest start the next batch),
+    as fairseq's ``--required-batch-size-multiple``: its products then have row counts (sentences x
+    positions) from a smaller set, which on CPUs means fewer kernels for oneDNN to build and keep
+    (benchmarks/README.md, "Memory in real training"). With ``rank`` and
+    ``world_size``, each process takes every world_size-th batch, all the same number (the last
+    len % world_size batches of the epoch's order are left out), so the processes step together.
+    Sorting is vectorised and each batch's end found by bisection, so that millions of examples take seconds.
+    """
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    lengths = torch.maximum(torch.as_tensor(src_lengths, dtype=torch.float64),
+                            torch.as_tensor(tgt_lengths, dtype=torch.float64))  # (n,)
+    if shuffle:  # noise in [0, 1) orders equal lengths at random, never across lengths
+        lengths += torch.rand(lengths.shape, generator=generator, dtype=torch.float64)
+    order = torch.argsort(lengths, stable=True)
+    longest = lengths[order].floor().long().tolist()  # ascending: a batch's last example is its longest
+    ends, start, n = [], 0, len(longest)
+    while start < n:  # the largest end with longest[end - 1] * (end - start) <= max_tokens; one example at least
+        fits = bisect.bisect_right(range(n + 1), max_tokens, lo=start + 1,
+                                   key=lambda end: longest[end - 1] * (end - start))
+        size = fits - 1 - start
+        if size >= multiple:
+            size -= size % multiple
+        start += max(size, 1)
+        ends.append(start)
+    order = order.tolist()
+    batches = [order[begin:end] for begin, end in zip([0] + ends[:-1], ends)]
+    if shuffle:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+    return batches[rank:len(batches) - len(batches) % world_size:world_size]
+
+
+def collate(split: EncodedSplit, indices: list[int]) -> Batch:
+    """Pad one batch: sources to their longest, targets shifted into input and output."""
+    src = split.src.pad(indices, PAD_ID)
+    tgt = split.tgt.pad(indices, PAD_ID)
+    return Batch(src, tgt[:, :-1], tgt[:, 1:], indices)
+
+
+def pad_sequences(sequences: list[list[int]]) -> torch.Tensor:
+    out = torch.full((len(sequences), max(map(len, sequences))), PAD_ID, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return out

@@ -1,0 +1,368 @@
+"""The token ids of a split: tokenised once, filtered by length, and cached as safetensors.
+
+A split is tokenised with the run's vocabulary (``tokenizer.py``), in worker processes when it is
+large, and cached under ``cache_dir()`` keyed by the data, its settings and the vocabulary, so that the
+next run over the same data starts at once. Learning the vocabulary and tokenising may run in a child
+process (``prepare_apart``), which takes the heap that tokenizers grows with it when it ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from tformer_cli.config import DataConfig
+from tformer_cli.data import read_pairs
+from tformer_cli.errors import CheckpointError, DataError, first_line
+from tformer_cli.files import replacing
+from tformer_cli.sequences import Sequences, TextPairs
+from tformer_cli.tokenizer import RECIPE, Vocabulary, usable_cpus
+
+# Encoded splits cached in an earlier layout are not read (3: safetensors, no pickle)
+CACHE_FORMAT = 3
+ENCODE_CHUNK = 100_000  # pairs tokenised at a time: their ids as Python lists are the peak memory
+# A split of this many pairs or more is tokenised by worker processes, a range of it each: the cores
+# work in parallel on the Python side too, and the heap that tokenizers grows while encoding (about
+# 330 MiB per million texts, never returned) goes away with each worker
+ENCODE_IN_WORKERS = 500_000
+MAX_ENCODE_WORKERS = 8
+# Data capped below this many pairs (data.max_samples) is learnt and tokenised in the training process:
+# what that leaves behind is small, and a child process's start (~2 s) would cost more than it saves
+PREPARE_APART_FROM = 10_000
+TRAINING_ONLY = {"bpe_dropout"}  # data settings that change neither the vocabulary nor the cached encodings
+
+
+def cache_dir() -> Path:
+    """Where encoded datasets and trained tokenizers are cached ($TFORMER_CACHE, else ~/.cache/tformer)."""
+    return Path(os.environ.get("TFORMER_CACHE", Path.home() / ".cache" / "tformer"))
+
+
+@dataclass
+class EncodedSplit:
+    """One split as token ids (source: x_1 ... x_n </s>; target: <s> y_1 ... y_m </s>), with the raw
+    texts kept for BLEU and BPE-dropout. ``src`` and ``tgt`` may be given as lists of lists."""
+
+    src: Sequences
+    tgt: Sequences
+    pairs: TextPairs
+    dropped_empty: int = 0
+    dropped_long: int = 0
+    truncated: int = 0
+
+    def __post_init__(self) -> None:
+        self.src, self.tgt = (s if isinstance(s, Sequences) else Sequences.from_lists(s) for s in (self.src, self.tgt))
+        if not isinstance(self.pairs, TextPairs):
+            self.pairs = TextPairs.from_pairs(self.pairs)
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def signature(self) -> str:
+        """A digest of the token ids: equal for the same pairs tokenised alike, wherever they are read."""
+        digest = hashlib.sha256()
+        for part in (self.src.ids, self.src.offsets, self.tgt.ids, self.tgt.offsets):
+            digest.update(part.contiguous().numpy())
+        return digest.hexdigest()[:16]
+
+
+def data_fingerprint(cfg: DataConfig, split: str, *extra: Any) -> str:
+    """A key that changes when the data, its selection or its processing changes."""
+    settings = {k: v for k, v in vars(cfg).items() if k not in TRAINING_ONLY}
+    spec: dict[str, Any] = {"split": split, "extra": extra, "cfg": settings}
+    files = cfg.data_files.get(split, []) if cfg.data_files else []
+    files = [files] if isinstance(files, str) else files
+    paths = [Path(p) for p in files] + ([Path(cfg.dataset)] if not cfg.data_files and cfg.dataset else [])
+    spec["stat"] = [_stat(p) for p in paths]
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _stat(path: Path) -> Any:
+    if path.is_dir():
+        return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file())
+    return (str(path), path.stat().st_size, path.stat().st_mtime_ns) if path.exists() else str(path)
+
+
+def encode_split(pairs: Sequence[tuple[str, str]], vocab: Vocabulary, cfg: DataConfig) -> EncodedSplit:
+    """Tokenise both sides a chunk at a time (``pairs``: a list, ``ArrowPairs`` or ``TextPairs``);
+    drop empty pairs and drop or truncate over-long ones."""
+    out = EncodedSplit([], [], [])
+    limit = cfg.max_length
+    src_parts, tgt_parts, text_parts = [], [], []
+    for start in range(0, len(pairs), ENCODE_CHUNK):
+        chunk = pairs[start:start + ENCODE_CHUNK]
+        kept = [(s, t) for s, t in chunk if s.strip() and t.strip()]
+        out.dropped_empty += len(chunk) - len(kept)
+        src_ids, tgt_ids, texts = [], [], []
+        sources = vocab.encode_sources([s for s, _ in kept])
+        targets = vocab.encode_targets([t for _, t in kept])
+        for s, t, pair in zip(sources, targets, kept):
+            if len(s) > limit or len(t) > limit:
+                if cfg.long_pairs == "drop":
+                    out.dropped_long += 1
+                    continue
+                s, t = s[: limit - 1] + s[-1:], t[: limit - 1] + t[-1:]  # keep the closing EOS
+                out.truncated += 1
+            src_ids.append(s)
+            tgt_ids.append(t)
+            texts.append(pair)
+        src_parts.append(Sequences.from_lists(src_ids))
+        tgt_parts.append(Sequences.from_lists(tgt_ids))
+        text_parts.append(TextPairs.from_pairs(texts))
+    out.src, out.tgt, out.pairs = Sequences.concat(src_parts), Sequences.concat(tgt_parts), TextPairs.concat(text_parts)
+    return out
+
+
+def resegment(split: EncodedSplit, vocab: Vocabulary, cfg: DataConfig) -> EncodedSplit:
+    """The split's pairs segmented afresh with BPE-dropout ``cfg.bpe_dropout`` (one epoch's worth)."""
+    return encode_split(split.pairs, vocab.with_dropout(cfg.bpe_dropout), cfg)
+
+
+def _encoded_path(cfg: DataConfig, split: str, vocab: Vocabulary) -> Path:
+    key = data_fingerprint(cfg, split, vocab.fingerprint(), CACHE_FORMAT)
+    return cache_dir() / "encoded" / f"{split}-{key}.safetensors"
+
+
+def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
+                 notice: Callable[[str], None] = lambda message: None) -> EncodedSplit:
+    """``read_pairs`` + ``encode_split``, cached on disk by data and tokenizer fingerprint. An entry
+    that cannot be read back exactly is rebuilt, after one line to ``notice``."""
+    path = _encoded_path(cfg, split, vocab)
+    if path.is_file():
+        try:
+            return read_encoded(path)
+        except (OSError, ValueError) as exc:
+            notice(f"rebuilding the cached encoding {path}: {exc}")
+    pairs = read_pairs(cfg, split)
+    workers = min(usable_cpus(), MAX_ENCODE_WORKERS) if len(pairs) >= ENCODE_IN_WORKERS else 1
+    encoded = _encode_in_workers(cfg, split, vocab, len(pairs), workers) if workers > 1 \
+        else encode_split(pairs, vocab, cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write_encoded(encoded, path)
+        # read back: the cache is memory-mapped, so the processes of a node share one copy of the split
+        return read_encoded(path)
+    except (CheckpointError, OSError, ValueError) as exc:  # no cache costs time next run, nothing else
+        notice(str(exc))
+        return encoded
+
+
+def _encode_in_workers(cfg: DataConfig, split: str, vocab: Vocabulary, size: int, workers: int) -> EncodedSplit:
+    """``encode_split`` of the whole split, by ``workers`` processes a contiguous range each; each
+    writes its part as a cache entry, read back memory-mapped and joined here. A worker that dies
+    fails the whole (BrokenProcessPool) instead of leaving this process waiting."""
+    import tempfile
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    bounds = [size * i // workers for i in range(workers + 1)]
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="encoding-", dir=cache_dir()) as folder:
+        paths = [Path(folder) / f"part-{i}.safetensors" for i in range(workers)]
+        threads = max(1, usable_cpus() // workers)
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_encoding_worker,
+                                 initargs=(threads,)) as pool:
+            for done in [pool.submit(_encode_part, cfg, split, vocab, a, b, p)
+                         for a, b, p in zip(bounds, bounds[1:], paths)]:
+                done.result()  # a worker's DataError is raised here
+        parts = [read_encoded(p) for p in paths]
+        return EncodedSplit(Sequences.concat([p.src for p in parts]), Sequences.concat([p.tgt for p in parts]),
+                            TextPairs.concat([p.pairs for p in parts]),
+                            **{name: sum(getattr(p, name) for p in parts) for name in _ENCODED_COUNTS})
+
+
+def _encoding_worker(threads: int) -> None:
+    """A tokenising worker's start: tokenizers' thread pool, made at its first batch, gets this
+    process's share of the cores."""
+    os.environ["RAYON_RS_NUM_CPUS"] = str(threads)
+
+
+def _encode_part(cfg: DataConfig, split: str, vocab: Vocabulary, start: int, stop: int, path: Path) -> None:
+    """In a worker: pairs [start, stop) of the split, encoded and written to ``path``."""
+    write_encoded(encode_split(_PairRange(read_pairs(cfg, split), start, stop), vocab, cfg), path)
+
+
+class _PairRange:
+    """Pairs [start, stop) of a split, sliced as the split is."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]], start: int, stop: int) -> None:
+        self.pairs, self.start, self.size = pairs, start, stop - start
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: slice) -> list[tuple[str, str]]:
+        start, stop, _ = index.indices(self.size)
+        return self.pairs[self.start + start:self.start + stop]
+
+
+# A cache entry is data, never code: token ids and texts as safetensors tensors, counts in its metadata,
+# and a checksum over all of them, so that a damaged or planted entry is rebuilt rather than believed.
+_ENCODED_TENSORS = ("src_ids", "src_offsets", "tgt_ids", "tgt_offsets", "text_bytes", "text_offsets")
+_ENCODED_COUNTS = ("dropped_empty", "dropped_long", "truncated")
+_ENCODED_DTYPES = {"src_ids": torch.int32, "tgt_ids": torch.int32, "text_bytes": torch.uint8}
+
+
+def write_encoded(split: EncodedSplit, path: Path) -> None:
+    text_bytes = split.pairs.data if split.pairs.data.numel() else torch.zeros(1, dtype=torch.uint8)  # none: 1 byte
+    tensors = {"src_ids": split.src.ids, "src_offsets": split.src.offsets,
+               "tgt_ids": split.tgt.ids, "tgt_offsets": split.tgt.offsets,
+               "text_bytes": text_bytes, "text_offsets": split.pairs.offsets}
+    metadata = {"format": str(CACHE_FORMAT), "sha256": _checksum(tensors),
+                **{name: str(getattr(split, name)) for name in _ENCODED_COUNTS}}
+    with replacing(path, shared=True) as tmp:
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
+
+
+def read_encoded(path: Path) -> EncodedSplit:
+    """An encoded split from the cache. Raises ValueError (or OSError) for any entry not written by
+    ``write_encoded`` in this format, intact."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as stored:
+            metadata = stored.metadata() or {}
+            if metadata.get("format") != str(CACHE_FORMAT) or set(stored.keys()) != set(_ENCODED_TENSORS):
+                raise ValueError("written by another version")
+            tensors = {name: stored.get_tensor(name) for name in _ENCODED_TENSORS}
+    except ValueError:
+        raise
+    except Exception as exc:  # safetensors' own error for a file it cannot parse
+        raise ValueError(f"unreadable ({first_line(exc)})") from exc
+    if metadata.get("sha256") != _checksum(tensors):
+        raise ValueError("its checksum does not match")
+    for values, offsets in (("src_ids", "src_offsets"), ("tgt_ids", "tgt_offsets"), ("text_bytes", "text_offsets")):
+        ends = tensors[offsets]
+        if (tensors[values].dtype != _ENCODED_DTYPES[values] or ends.dtype != torch.int64 or ends.dim() != 1
+                or ends.numel() == 0 or ends[0] != 0 or bool((ends.diff() < 0).any())
+                or ends[-1] > tensors[values].numel()):
+            raise ValueError(f"its {values} are malformed")
+    split = EncodedSplit(Sequences(tensors["src_ids"], tensors["src_offsets"]),
+                         Sequences(tensors["tgt_ids"], tensors["tgt_offsets"]),
+                         TextPairs(tensors["text_bytes"], tensors["text_offsets"]),
+                         **{name: int(metadata[name]) for name in _ENCODED_COUNTS})
+    if len(split.tgt) != len(split) or len(split.pairs) != len(split) or split.pairs.offsets.numel() % 2 == 0:
+        raise ValueError("its parts differ in length")
+    return split
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in _ENCODED_TENSORS:
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().numpy())  # the buffer itself, not a copy of it
+    return digest.hexdigest()
+
+
+def train_or_load_vocabulary(cfg: DataConfig, notice: Callable[[str], None] = lambda message: None) -> Vocabulary:
+    """Learn BPE on the training split, or reuse one learned from the same data and settings."""
+    folder = _vocabulary_folder(cfg)
+    if folder.is_dir():
+        try:
+            return Vocabulary.load(folder)
+        except CheckpointError as exc:
+            notice(f"relearning the cached vocabulary: {exc}")
+    pairs = read_pairs(cfg, cfg.train_split)
+    vocab = Vocabulary.train(pairs, cfg.vocab_size, cfg.joint_vocab, cfg.min_frequency, cfg.lowercase,
+                             cfg.bpe_max_pairs)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab.save(folder)
+    return vocab
+
+
+def _vocabulary_folder(cfg: DataConfig) -> Path:
+    return cache_dir() / "tokenizers" / data_fingerprint(cfg, cfg.train_split, RECIPE)
+
+
+def cached_vocabulary(cfg: DataConfig) -> Vocabulary | None:
+    """The vocabulary learned for ``cfg``, where the cache holds a readable one."""
+    try:
+        return Vocabulary.load(_vocabulary_folder(cfg))
+    except CheckpointError:
+        return None
+
+
+def encodings_cached(cfg: DataConfig, splits: Sequence[str], vocab: Vocabulary) -> bool:
+    """Whether the cache holds the encodings of ``splits`` with ``vocab``."""
+    return all(_encoded_path(cfg, split, vocab).is_file() for split in splits)
+
+
+def worth_preparing_apart(cfg: DataConfig) -> bool:
+    """Whether ``prepare_apart`` pays for this data: unless ``data.max_samples`` caps it below
+    PREPARE_APART_FROM pairs."""
+    return cfg.max_samples is None or cfg.max_samples >= PREPARE_APART_FROM
+
+
+def prepare_apart(cfg: DataConfig, splits: Sequence[str], vocabulary: Path | None = None) -> list[str]:
+    """Fill the cache in a child process: the vocabulary learned (``train_or_load_vocabulary``; or,
+    given, the one in the folder ``vocabulary``) and ``splits`` encoded with it. Returns the notices
+    it gave. Reading and tokenising leave libraries, buffers and a fragmented heap behind, ~170 MiB for
+    Multi30k (benchmarks/README.md); a training process that then reads the cache holds none of it."""
+    return _in_child(_prepare, cfg, tuple(splits), vocabulary)
+
+
+def _prepare(cfg: DataConfig, splits: tuple[str, ...], vocabulary: Path | None) -> list[str]:
+    notices: list[str] = []
+    vocab = Vocabulary.load(vocabulary) if vocabulary else train_or_load_vocabulary(cfg, notices.append)
+    for split in splits:
+        load_encoded(cfg, split, vocab, notices.append)
+    return notices
+
+
+def _in_child(function: Callable, *args: Any) -> Any:
+    """``function(*args)`` in a spawned process: what it returns, or what it raises raised here. A
+    signal here (``Interrupted``) stops the child as well; a child that dies without answering (killed,
+    out of memory) is a DataError."""
+    from multiprocessing import get_context
+
+    context = get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_answer, args=(send, function, args))  # not a daemon: it may spawn encoders
+    child.start()
+    send.close()
+    try:
+        returned, value = receive.recv()
+    except EOFError:
+        child.join()
+        cause = "killed: out of memory?" if (child.exitcode or 0) < 0 else "its error is above"
+        raise DataError(f"preparing the data failed: its process ended with exit code {child.exitcode} "
+                        f"({cause})") from None
+    except BaseException:
+        child.terminate()  # it unwinds (_answer)
+        raise
+    finally:
+        child.join()
+        receive.close()
+    if not returned:
+        raise value
+    return value
+
+
+def _answer(send, function: Callable, args: tuple) -> None:
+    """In the child: run, and send back what came of it. Stopped by the parent (SIGTERM) or by Ctrl-C,
+    it unwinds and exits as Python does, releasing what it made, instead of dying with it held."""
+    signal.signal(signal.SIGTERM, _unwind)
+    try:
+        answer = (True, function(*args))
+    except BaseException as exc:  # noqa: BLE001 - raised again in the parent
+        answer = (False, exc)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal would interrupt the unwinding
+        signal.signal(signum, signal.SIG_IGN)
+    try:
+        send.send(answer)
+    except OSError:  # the parent has stopped waiting: it was stopped itself
+        pass
+    except Exception:  # noqa: BLE001 - an exception that does not pickle: its first line
+        send.send((False, DataError(first_line(answer[1]))))
+
+
+def _unwind(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
