@@ -32,13 +32,13 @@ def test_a_new_run_never_overwrites_an_old_one(tmp_path):
 
 def test_a_run_being_trained_is_neither_trained_again_nor_overwritten_and_a_failed_start_leaves_no_folder(tmp_path):
     from tformer_cli.errors import DataError
-    from tformer_cli.run_folder import writing
+    from tformer_cli.run_folder import holding
 
     path = write_config(tmp_path / "w.yaml", train={"max_steps": 1})
     run = tmp_path / "run"
     train(load_config(path), run)
     before = sorted(p.name for p in run.rglob("*"))
-    with writing(run):  # as a training process holds it
+    with holding(run):  # as a training process holds it
         busy = "another `tformer train` is writing this run now"
         with pytest.raises(UsageError, match=busy):
             train(*prepare_run(None, run, ["train.max_steps=2"], None), resume=True)

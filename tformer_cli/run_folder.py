@@ -45,7 +45,7 @@ def is_marked(run_dir: Path) -> bool:
 
 
 @contextmanager
-def writing(run_dir: Path) -> Iterator[None]:
+def holding(run_dir: Path) -> Iterator[None]:
     """Hold ``run_dir`` while one process trains into it: its marker (made if needed) is locked, so
     that a second ``tformer train`` on the folder, or an ``--overwrite`` of it, stops with one line
     instead of interleaving its checkpoints and metrics with the first one's. The OS releases the lock
@@ -64,8 +64,8 @@ def writing(run_dir: Path) -> Iterator[None]:
             run_dir.rmdir()
 
 
-def check_not_being_written(run_dir: Path) -> None:
-    """A UsageError if a training process holds ``run_dir`` (see ``writing``)."""
+def check_not_held(run_dir: Path) -> None:
+    """A UsageError if a training process holds ``run_dir`` (see ``holding``)."""
     if is_marked(run_dir):
         lock = _lock(run_dir)
         if lock is not None:

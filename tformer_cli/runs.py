@@ -16,7 +16,7 @@ from pathlib import Path
 from tformer_cli.config import Config, load_config
 from tformer_cli.data import absolute_paths
 from tformer_cli.errors import CheckpointError, UsageError
-from tformer_cli.run_folder import CONFIG, MARKER, WEIGHTS, check_not_being_written, foreign_files, is_marked
+from tformer_cli.run_folder import CONFIG, MARKER, WEIGHTS, check_not_held, foreign_files, is_marked
 from tformer_cli.runtime import resolve_device, step_checkpoints
 
 
@@ -69,7 +69,7 @@ def _clear_for_new_run(run_dir: Path, overwrite: bool) -> None:
     if not overwrite and (step_checkpoints(run_dir) or (run_dir / WEIGHTS).is_file()):
         raise UsageError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, "
                          "or pass --overwrite or another --output-dir")
-    check_not_being_written(run_dir)
+    check_not_held(run_dir)
     shutil.rmtree(run_dir)
 
 

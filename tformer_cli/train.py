@@ -37,7 +37,7 @@ from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
 from tformer_cli.parallel import (
     Workers, distribute, gathered, gradient_sync, load_optimizer_state, local, optimizer_state, shard_like)
 from tformer_cli.params import train_flops_per_token
-from tformer_cli.run_folder import CHECKPOINTS, METRICS, WEIGHTS, writing
+from tformer_cli.run_folder import CHECKPOINTS, METRICS, WEIGHTS, holding
 from tformer_cli.runtime import (
     autocast, load_trainer_state, load_weights, matmul_peak, memory_mib, resolve_device, rng_state, save_checkpoint,
     save_run_files, save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints)
@@ -205,7 +205,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
     """Train ``config`` into ``run_dir`` (or continue the run there when ``resume``), as one of
     ``workers`` (see ``parallel.py``; by default the only process). The process that writes the run
     holds its folder meanwhile: another ``tformer train`` on it stops with one line."""
-    with writing(run_dir) if workers.main else nullcontext():
+    with holding(run_dir) if workers.main else nullcontext():
         return _train(config, run_dir, resume, callback, workers)
 
 
