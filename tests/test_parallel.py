@@ -100,7 +100,7 @@ def test_a_group_of_one_trains_through_the_engines_as_one_process_does(tmp_path,
     as without a group; checkpoints gathered to whole tensors. Also compiled (``train.compile``, a GPU's
     default): the engines' hooks around the compiled encoder and decoder."""
     import tformer_cli.parallel as parallel
-    import tformer_cli.train as training
+    import tformer_cli.run_setup as run_setup
     from tformer_cli.config import load_config
     from tformer_cli.parallel import Workers, leave
     from tformer_cli.train import train
@@ -113,7 +113,7 @@ def test_a_group_of_one_trains_through_the_engines_as_one_process_does(tmp_path,
         trainers.append(parallel.distribute(*args))
         return trainers[-1]
 
-    monkeypatch.setattr(training, "distribute", distribute)
+    monkeypatch.setattr(run_setup, "distribute", distribute)
     monkeypatch.setattr(parallel, "left_group", False)  # as it was, after ``leave``
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+import tformer_cli.run_setup as run_setup
 import tformer_cli.train as training
 from conftest import write_config
 from tformer_cli.cli import app
@@ -123,7 +124,7 @@ def test_a_start_stopped_during_setup_is_accepted_by_the_command_it_suggests(tmp
     def stop(*args):  # SIGTERM once the data is loaded and the run's files saved, as the model is built
         os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(training, "build_model", stop)
+    monkeypatch.setattr(run_setup, "build_model", stop)
     result = _train(config, "--output-dir", run)
     assert result.exit_code == 143
     assert result.stderr.strip() == ("stopped by SIGTERM before the first checkpoint; start it again "
@@ -152,7 +153,7 @@ def test_overrides_that_make_a_resume_diverge_are_not_recorded(tmp_path, monkeyp
         loss, nll = label_smoothed_loss(*args)
         return loss * float("nan"), nll
 
-    monkeypatch.setattr(training, "label_smoothed_loss", poisoned)
+    monkeypatch.setattr(run_setup, "label_smoothed_loss", poisoned)
     result = _train("--resume", run, "--set", "train.max_steps=6", "--set", "train.lr=10")
     assert result.exit_code == 1 and "training diverged at step 3" in result.stderr
     saved = (run / "config.yaml").read_text()

@@ -13,56 +13,28 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tformer_cli.accel import accelerate, build_decoding_kernels, build_kernels
-from tformer_cli.config import Config, DecodeConfig, TrainConfig
+from tformer_cli.accel import build_decoding_kernels, build_kernels
 from tformer_cli.batching import collate, token_batches
-from tformer_cli.encoding import (
-    EncodedSplit, cached_vocabulary, encodings_cached, load_encoded, prepare_apart, resegment,
-    train_or_load_vocabulary, worth_preparing_apart)
-from tformer_cli.ema import WeightEMA
-from tformer_cli.errors import CheckpointError, DataError, DivergedError, Interrupted, UsageError, first_line
-from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
-from tformer_cli.evaluation import (Seq2SeqLoss, compiled_loss, compiles, evaluate_loss, label_smoothed_loss,
-                                   validation_rows)
-from tformer_cli.model import build_model
-from tformer_cli.optim import cosine_horizon, learning_rate, make_optimizer
-from tformer_cli.parallel import (
-    Workers, distribute, gathered, gradient_sync, load_optimizer_state, local, optimizer_state, shard_like)
+from tformer_cli.config import Config, DecodeConfig, TrainConfig
+from tformer_cli.encoding import EncodedSplit, resegment
+from tformer_cli.errors import CheckpointError, DivergedError, Interrupted, UsageError
+from tformer_cli.evaluation import Seq2SeqLoss, evaluate_loss, label_smoothed_loss, validation_rows
+from tformer_cli.optim import cosine_horizon, learning_rate
+from tformer_cli.parallel import Workers, gathered, gradient_sync, local, optimizer_state
 from tformer_cli.params import train_flops_per_token
-from tformer_cli.run_folder import CHECKPOINTS, METRICS, WEIGHTS, holding
+from tformer_cli.run_folder import CHECKPOINTS, WEIGHTS, holding
+from tformer_cli.run_setup import Callback, MetricsLog, Setup, TrainState
 from tformer_cli.runtime import (
-    autocast, load_trainer_state, load_weights, matmul_peak, memory_mib, resolve_device, rng_state, save_checkpoint,
-    save_run_files, save_weights, seed_everything, set_rng_state, slow_precision, step_checkpoints)
-from tformer_cli.tensorboard import TensorBoard
+    autocast, matmul_peak, memory_mib, resolve_device, rng_state, save_checkpoint, save_run_files, save_weights,
+    slow_precision, step_checkpoints)
 from tformer_cli.tensorboard import check_available as check_tensorboard
-from tformer_cli.tokenizer import PAD_ID, Vocabulary
-
-Callback = Callable[[str, dict[str, Any]], None]
-
-
-@dataclass
-class TrainState:
-    """Where training stands; saved in every checkpoint so that a resumed run continues exactly."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0  # position in this epoch's batch order (in each process's share of it)
-    processes: int = 1  # how many processes trained together
-    target_tokens: int = 0
-    elapsed: float = 0.0  # seconds of training, summed over resumed sessions
-    best: float | None = None
-    best_step: int | None = None
-    evals_without_improvement: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
-    train_data: str | None = None  # the training split's signature (EncodedSplit.signature)
 
 
 @dataclass
@@ -72,132 +44,6 @@ class TrainResult:
     stop_reason: str
     last_eval: dict[str, Any] | None
     signal: int | None = None  # the signal that stopped training, if one did
-
-
-class _Setup:
-    """Model, data and optimizer for a run, new or resumed."""
-
-    def __init__(self, config: Config, run_dir: Path, resume: bool, device: torch.device, notify: Callback,
-                 workers: Workers) -> None:
-        self.config, self.run_dir, self.device, self.workers = config, run_dir, device, workers
-        # in turns: rank 0 learns the vocabulary, fills the cache and writes the run folder; then the first
-        # process of each other node (which fills that node's cache, if it has its own); then the rest
-        turn = 0 if workers.main else 1 if workers.local_rank == 0 else 2
-        for t in range(3 if workers.size > 1 else 1):
-            if t == turn:
-                self._load_data(resume, notify)
-            workers.barrier()
-        cfg = config.train
-        seed_everything(cfg.seed)  # the same initial weights in every process
-        self.model = self._build_model()
-        checkpoint = self._last_checkpoint() if resume else None
-        if checkpoint is not None:
-            load_weights(self.model, checkpoint / WEIGHTS)
-        # the objective in one module, for DDP or FSDP to wrap when several processes train
-        self.compiled = compiles(cfg.compile, device)
-        loss = compiled_loss() if self.compiled else label_smoothed_loss
-        layers = [*self.model.encoder.layers, *self.model.decoder.layers]
-        self.trainer = distribute(Seq2SeqLoss(self.model, cfg.label_smoothing, cfg.rdrop, loss), layers, workers,
-                                  cfg.parallel, device)
-        # under FSDP no process holds the whole model: rank 0 gathers it into a copy to validate and save
-        self.sharded = workers.grouped and cfg.parallel == "fsdp"
-        self.replica = self._build_model() if self.sharded and workers.main else None
-        self.optimizer = make_optimizer(self.model, cfg, device)  # over the parameters as distributed
-        # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
-        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-        self.state, saved = TrainState(), {}
-        # overrides given on resume are recorded in config.yaml with the first checkpoint made under them,
-        # so that a resume whose overrides make it diverge leaves the run's config as it was
-        self.config_unsaved = resume
-        self.saved_step: int | None = None  # the step of the last checkpoint written or resumed from
-        if checkpoint is not None:
-            saved = self._restore(checkpoint)
-            self.saved_step = self.state.step
-        data = self.train_data.signature()
-        if self.state.train_data not in (None, data):
-            notify("warning", {"message": f"the training split differs from the one {checkpoint.name} was trained on "
-                               f"({len(self.train_data):,} pairs now): training goes on over the new data, so the "
-                               "run will not match one that was never stopped"})
-        self.state.train_data = data
-        # where rank 0 logs figures; TensorBoard drops what it logged after the checkpoint, as _restore
-        # trims metrics.jsonl
-        board = TensorBoard(run_dir, self.state.step + 1 if checkpoint is not None else None) \
-            if cfg.tensorboard and workers.main else None
-        self.log = MetricsLog(run_dir, board)
-        # a moving average of the weights: continued on resume, else started from the weights as they are
-        self.ema = WeightEMA(self.model, cfg.ema_decay, self.state.step) if cfg.ema_decay else None
-        if self.ema is not None and "ema" in saved:
-            shadow = [shard_like(t, s) for t, s in zip(saved["ema"]["shadow"], self.ema.shadow)]
-            self.ema.load_state_dict({**saved["ema"], "shadow": shadow})
-
-    def _build_model(self) -> torch.nn.Module:
-        model = build_model(self.config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(self.device)
-        return accelerate(model, self.device, self.config.train.accel)  # the speed layer, unless train.accel is off
-
-    def whole_model(self) -> torch.nn.Module | None:
-        """The model with its whole weights on rank 0 (None on the others). Under FSDP a collective
-        that every process calls: the shards are gathered into rank 0's copy."""
-        if not self.sharded:
-            return self.model if self.workers.main else None
-        weights = gathered(self.model.state_dict())
-        if not self.workers.main:
-            return None
-        self.replica.load_state_dict(weights)
-        return self.replica
-
-    def _load_data(self, resume: bool, notify: Callback) -> None:
-        data = self.config.data
-        warned: set[str] = set()
-
-        def warn(message: str) -> None:
-            if message not in warned:  # where the cache cannot be written, the work is done twice
-                warned.add(message)
-                notify("warning", {"message": message})
-
-        # the other processes, and a resumed run, take the vocabulary in the run folder (rank 0's)
-        from_run = resume or not self.workers.main
-        vocab = Vocabulary.load(self.run_dir) if from_run else cached_vocabulary(data)
-        self.validates = data.validation_split is not None  # rank 0 validates; the others take its figures
-        splits = [data.train_split, *([data.validation_split] if self.validates and self.workers.main else [])]
-        if worth_preparing_apart(data) and not (vocab is not None and encodings_cached(data, splits, vocab)):
-            # learnt and tokenised by a child process; this one reads the cache
-            learning = "" if vocab is not None else "learning the BPE vocabulary and "
-            notify("setup", {"message": f"{learning}tokenising"})
-            for message in prepare_apart(data, splits, self.run_dir if from_run else None):
-                warn(message)
-        self.vocab = vocab if vocab is not None else train_or_load_vocabulary(data, warn)
-        self.train_data = load_encoded(data, data.train_split, self.vocab, warn)
-        if len(self.train_data) == 0:
-            raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
-                            "raise data.max_length or set data.long_pairs: truncate")
-        self.valid_data = load_encoded(data, data.validation_split, self.vocab, warn) if len(splits) > 1 else None
-        if not resume and self.workers.main:  # once the data has loaded: a start that fails on it leaves nothing
-            save_run_files(self.run_dir, self.config, self.vocab)
-
-    def _last_checkpoint(self) -> Path:
-        checkpoints = step_checkpoints(self.run_dir)
-        if not checkpoints:
-            raise CheckpointError(f"{self.run_dir}: no checkpoint to resume from; start a new run instead")
-        return checkpoints[-1]
-
-    def _restore(self, checkpoint: Path) -> dict:
-        """The trainer state of ``checkpoint`` (whose weights are loaded already)."""
-        saved = load_trainer_state(checkpoint)
-        try:
-            load_optimizer_state(self.optimizer, saved["optimizer"])
-            if self.scaler.is_enabled() and "scaler" in saved:
-                self.scaler.load_state_dict(saved["scaler"])
-            self.state = TrainState(**saved["state"])
-            set_rng_state(saved["rng"])
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # what torch raises for a state that does not fit
-            raise CheckpointError(f"{checkpoint}: its trainer state does not fit this run ({first_line(exc)}); "
-                                  "resume from an earlier checkpoint by deleting this one") from None
-        if self.workers.main:  # what was logged after that checkpoint is logged again as training repeats it
-            metrics = self.run_dir / METRICS
-            if metrics.is_file():
-                kept = [r for r in read_jsonl(metrics) if r.get("step", 0) <= self.state.step]
-                write_text_atomic(metrics, "".join(json_line(r) for r in kept))
-        return saved
 
 
 def train(config: Config, run_dir: Path, resume: bool = False, callback: Callback | None = None,
@@ -221,7 +67,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     resume = resume and bool(step_checkpoints(run_dir))  # a run stopped before its first checkpoint starts anew
     signals = _StopSignals()
     with signals.during_setup():
-        setup = _Setup(config, run_dir, resume, device, notify, workers)
+        setup = Setup(config, run_dir, resume, device, notify, workers)
     model, optimizer, state, data = setup.model, setup.optimizer, setup.state, _epoch_split(setup)
     if state.processes != workers.size:  # resumed by another number of processes: same place in the epoch
         state.batch_in_epoch = math.ceil(state.batch_in_epoch * state.processes / workers.size)
@@ -313,23 +159,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     return TrainResult(run_dir, state, stop_reason, last_eval, signals.received)
 
 
-class MetricsLog:
-    """Where rank 0 logs figures: metrics.jsonl, and TensorBoard's copy under train.tensorboard."""
-
-    def __init__(self, run_dir: Path, board: TensorBoard | None = None) -> None:
-        self.path, self.board = run_dir / METRICS, board
-
-    def write(self, split: str, record: dict[str, Any]) -> None:
-        append_jsonl(self.path, {"split": split, **record})
-        if self.board is not None:
-            self.board.write(split, record)
-
-    def close(self) -> None:
-        if self.board is not None:
-            self.board.close()
-
-
-def _epoch_split(setup: _Setup) -> EncodedSplit:
+def _epoch_split(setup: Setup) -> EncodedSplit:
     """The training split for one epoch: segmented afresh with BPE-dropout when data.bpe_dropout is set."""
     data = setup.config.data
     return resegment(setup.train_data, setup.vocab, data) if data.bpe_dropout else setup.train_data
@@ -342,7 +172,7 @@ def _batches(data: EncodedSplit, cfg: TrainConfig, epoch: int, workers: Workers)
                          multiple=cfg.batch_multiple)
 
 
-def _build_kernels(setup: _Setup, data: EncodedSplit, batches: list[list[int]]) -> None:
+def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -> None:
     """Have the speed layer compile, before the first step, the matrix-product kernels that training
     would otherwise build as it meets them: those of validation's decoding, on the process that
     validates (``linear.build_decoding_kernels``); then those of this epoch's batch shapes and of
@@ -379,7 +209,7 @@ def _build_kernels(setup: _Setup, data: EncodedSplit, batches: list[list[int]]) 
     build_kernels(passes)
 
 
-def _start_info(setup: _Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
+def _start_info(setup: Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
     data = setup.train_data
     return {"run_dir": str(setup.run_dir), "device": str(setup.device), "processes": setup.workers.size,
             "compiled": setup.compiled, "resumed_at": setup.state.step,
@@ -461,7 +291,7 @@ def _stop_reason(cfg: TrainConfig, state: TrainState) -> str | None:
     return None
 
 
-def _model_flops(setup: _Setup, data: EncodedSplit, peak: float | None) -> dict[str, float | None]:
+def _model_flops(setup: Setup, data: EncodedSplit, peak: float | None) -> dict[str, float | None]:
     """What a target token of training costs in the model's matrix products (``train_flops_per_token``
     at this split's source tokens per target token), and the FLOP/s that all processes together
     could reach (``matmul_peak`` on each device; None where the precision is emulated)."""
@@ -490,7 +320,7 @@ def _log(notify: Callback, log: "MetricsLog", state: TrainState, window: dict, l
     _check_finite(model, state.step, workers, loss)
 
 
-def _evaluate(setup: _Setup, state: TrainState, notify: Callback) -> dict[str, Any]:
+def _evaluate(setup: Setup, state: TrainState, notify: Callback) -> dict[str, Any]:
     """Validation loss (and BLEU when configured), on rank 0; track the best weights and early stopping."""
     cfg, main = setup.config.train, setup.workers.main
     _check_finite(setup.model, state.step, setup.workers)  # NaN weights would be the first run's "best"
@@ -514,7 +344,7 @@ def _evaluate(setup: _Setup, state: TrainState, notify: Callback) -> dict[str, A
     return record
 
 
-def _validate(setup: _Setup, model: torch.nn.Module, step: int, decode: DecodeConfig | None = None) -> dict[str, Any]:
+def _validate(setup: Setup, model: torch.nn.Module, step: int, decode: DecodeConfig | None = None) -> dict[str, Any]:
     from tformer_cli.evaluation import validation_bleu
 
     cfg = setup.config.train
@@ -532,7 +362,7 @@ def _validates_bleu(cfg: TrainConfig) -> bool:
     return cfg.eval_bleu or cfg.best_metric == "bleu"
 
 
-def _checkpoint(setup: _Setup, notify: Callback) -> None:
+def _checkpoint(setup: Setup, notify: Callback) -> None:
     """Weights and trainer state, whole tensors whatever the number of processes (so that a run resumes
     on any number), written by rank 0. Under FSDP every process takes part in gathering them."""
     state = setup.state

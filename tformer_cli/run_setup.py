@@ -1,0 +1,189 @@
+"""What a run trains with: its state, saved in every checkpoint, and the model, data and optimizer
+set up for a new or a resumed run (``Setup``). ``train.py`` runs the loop over them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tformer_cli.accel import accelerate
+from tformer_cli.config import Config
+from tformer_cli.encoding import (
+    cached_vocabulary, encodings_cached, load_encoded, prepare_apart, train_or_load_vocabulary, worth_preparing_apart)
+from tformer_cli.ema import WeightEMA
+from tformer_cli.errors import CheckpointError, DataError, first_line
+from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, compiles, label_smoothed_loss
+from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
+from tformer_cli.model import build_model
+from tformer_cli.optim import make_optimizer
+from tformer_cli.parallel import Workers, distribute, gathered, load_optimizer_state, shard_like
+from tformer_cli.run_folder import METRICS, WEIGHTS
+from tformer_cli.runtime import (
+    load_trainer_state, load_weights, save_run_files, seed_everything, set_rng_state, step_checkpoints)
+from tformer_cli.tensorboard import TensorBoard
+from tformer_cli.tokenizer import PAD_ID, Vocabulary
+
+Callback = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved in every checkpoint so that a resumed run continues exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # position in this epoch's batch order (in each process's share of it)
+    processes: int = 1  # how many processes trained together
+    target_tokens: int = 0
+    elapsed: float = 0.0  # seconds of training, summed over resumed sessions
+    best: float | None = None
+    best_step: int | None = None
+    evals_without_improvement: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    train_data: str | None = None  # the training split's signature (EncodedSplit.signature)
+
+
+class Setup:
+    """Model, data and optimizer for a run, new or resumed."""
+
+    def __init__(self, config: Config, run_dir: Path, resume: bool, device: torch.device, notify: Callback,
+                 workers: Workers) -> None:
+        self.config, self.run_dir, self.device, self.workers = config, run_dir, device, workers
+        # in turns: rank 0 learns the vocabulary, fills the cache and writes the run folder; then the first
+        # process of each other node (which fills that node's cache, if it has its own); then the rest
+        turn = 0 if workers.main else 1 if workers.local_rank == 0 else 2
+        for t in range(3 if workers.size > 1 else 1):
+            if t == turn:
+                self._load_data(resume, notify)
+            workers.barrier()
+        cfg = config.train
+        seed_everything(cfg.seed)  # the same initial weights in every process
+        self.model = self._build_model()
+        checkpoint = self._last_checkpoint() if resume else None
+        if checkpoint is not None:
+            load_weights(self.model, checkpoint / WEIGHTS)
+        # the objective in one module, for DDP or FSDP to wrap when several processes train
+        self.compiled = compiles(cfg.compile, device)
+        loss = compiled_loss() if self.compiled else label_smoothed_loss
+        layers = [*self.model.encoder.layers, *self.model.decoder.layers]
+        self.trainer = distribute(Seq2SeqLoss(self.model, cfg.label_smoothing, cfg.rdrop, loss), layers, workers,
+                                  cfg.parallel, device)
+        # under FSDP no process holds the whole model: rank 0 gathers it into a copy to validate and save
+        self.sharded = workers.grouped and cfg.parallel == "fsdp"
+        self.replica = self._build_model() if self.sharded and workers.main else None
+        self.optimizer = make_optimizer(self.model, cfg, device)  # over the parameters as distributed
+        # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+        self.state, saved = TrainState(), {}
+        # overrides given on resume are recorded in config.yaml with the first checkpoint made under them,
+        # so that a resume whose overrides make it diverge leaves the run's config as it was
+        self.config_unsaved = resume
+        self.saved_step: int | None = None  # the step of the last checkpoint written or resumed from
+        if checkpoint is not None:
+            saved = self._restore(checkpoint)
+            self.saved_step = self.state.step
+        data = self.train_data.signature()
+        if self.state.train_data not in (None, data):
+            notify("warning", {"message": f"the training split differs from the one {checkpoint.name} was trained on "
+                               f"({len(self.train_data):,} pairs now): training goes on over the new data, so the "
+                               "run will not match one that was never stopped"})
+        self.state.train_data = data
+        # where rank 0 logs figures; TensorBoard drops what it logged after the checkpoint, as _restore
+        # trims metrics.jsonl
+        board = TensorBoard(run_dir, self.state.step + 1 if checkpoint is not None else None) \
+            if cfg.tensorboard and workers.main else None
+        self.log = MetricsLog(run_dir, board)
+        # a moving average of the weights: continued on resume, else started from the weights as they are
+        self.ema = WeightEMA(self.model, cfg.ema_decay, self.state.step) if cfg.ema_decay else None
+        if self.ema is not None and "ema" in saved:
+            shadow = [shard_like(t, s) for t, s in zip(saved["ema"]["shadow"], self.ema.shadow)]
+            self.ema.load_state_dict({**saved["ema"], "shadow": shadow})
+
+    def _build_model(self) -> torch.nn.Module:
+        model = build_model(self.config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(self.device)
+        return accelerate(model, self.device, self.config.train.accel)  # the speed layer, unless train.accel is off
+
+    def whole_model(self) -> torch.nn.Module | None:
+        """The model with its whole weights on rank 0 (None on the others). Under FSDP a collective
+        that every process calls: the shards are gathered into rank 0's copy."""
+        if not self.sharded:
+            return self.model if self.workers.main else None
+        weights = gathered(self.model.state_dict())
+        if not self.workers.main:
+            return None
+        self.replica.load_state_dict(weights)
+        return self.replica
+
+    def _load_data(self, resume: bool, notify: Callback) -> None:
+        data = self.config.data
+        warned: set[str] = set()
+
+        def warn(message: str) -> None:
+            if message not in warned:  # where the cache cannot be written, the work is done twice
+                warned.add(message)
+                notify("warning", {"message": message})
+
+        # the other processes, and a resumed run, take the vocabulary in the run folder (rank 0's)
+        from_run = resume or not self.workers.main
+        vocab = Vocabulary.load(self.run_dir) if from_run else cached_vocabulary(data)
+        self.validates = data.validation_split is not None  # rank 0 validates; the others take its figures
+        splits = [data.train_split, *([data.validation_split] if self.validates and self.workers.main else [])]
+        if worth_preparing_apart(data) and not (vocab is not None and encodings_cached(data, splits, vocab)):
+            # learnt and tokenised by a child process; this one reads the cache
+            learning = "" if vocab is not None else "learning the BPE vocabulary and "
+            notify("setup", {"message": f"{learning}tokenising"})
+            for message in prepare_apart(data, splits, self.run_dir if from_run else None):
+                warn(message)
+        self.vocab = vocab if vocab is not None else train_or_load_vocabulary(data, warn)
+        self.train_data = load_encoded(data, data.train_split, self.vocab, warn)
+        if len(self.train_data) == 0:
+            raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
+                            "raise data.max_length or set data.long_pairs: truncate")
+        self.valid_data = load_encoded(data, data.validation_split, self.vocab, warn) if len(splits) > 1 else None
+        if not resume and self.workers.main:  # once the data has loaded: a start that fails on it leaves nothing
+            save_run_files(self.run_dir, self.config, self.vocab)
+
+    def _last_checkpoint(self) -> Path:
+        checkpoints = step_checkpoints(self.run_dir)
+        if not checkpoints:
+            raise CheckpointError(f"{self.run_dir}: no checkpoint to resume from; start a new run instead")
+        return checkpoints[-1]
+
+    def _restore(self, checkpoint: Path) -> dict:
+        """The trainer state of ``checkpoint`` (whose weights are loaded already)."""
+        saved = load_trainer_state(checkpoint)
+        try:
+            load_optimizer_state(self.optimizer, saved["optimizer"])
+            if self.scaler.is_enabled() and "scaler" in saved:
+                self.scaler.load_state_dict(saved["scaler"])
+            self.state = TrainState(**saved["state"])
+            set_rng_state(saved["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # what torch raises for a state that does not fit
+            raise CheckpointError(f"{checkpoint}: its trainer state does not fit this run ({first_line(exc)}); "
+                                  "resume from an earlier checkpoint by deleting this one") from None
+        if self.workers.main:  # what was logged after that checkpoint is logged again as training repeats it
+            metrics = self.run_dir / METRICS
+            if metrics.is_file():
+                kept = [r for r in read_jsonl(metrics) if r.get("step", 0) <= self.state.step]
+                write_text_atomic(metrics, "".join(json_line(r) for r in kept))
+        return saved
+
+
+class MetricsLog:
+    """Where rank 0 logs figures: metrics.jsonl, and TensorBoard's copy under train.tensorboard."""
+
+    def __init__(self, run_dir: Path, board: TensorBoard | None = None) -> None:
+        self.path, self.board = run_dir / METRICS, board
+
+    def write(self, split: str, record: dict[str, Any]) -> None:
+        append_jsonl(self.path, {"split": split, **record})
+        if self.board is not None:
+            self.board.write(split, record)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
