@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from tformer_cli.config import DataConfig
 from tformer_cli.batching import collate, token_batches
+from tformer_cli.config import DataConfig
 from tformer_cli.data import load_pairs
 from tformer_cli.encoding import (
     cached_vocabulary, data_fingerprint, encode_split, encodings_cached, load_encoded, prepare_apart, resegment,

@@ -7,9 +7,9 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import tiny_model_config
+from tformer_cli.batching import pad_sequences
 from tformer_cli.cli import app
 from tformer_cli.config import Config
-from tformer_cli.batching import pad_sequences
 from tformer_cli.decoding import DecodeOptions, translate
 from tformer_cli.errors import UsageError
 from tformer_cli.export import check_marian, marian_config, marian_state_dict

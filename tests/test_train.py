@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import tiny_model_config, write_config
-from tformer_cli.config import load_config
 from tformer_cli.batching import Batch, token_batches
+from tformer_cli.config import load_config
 from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.model import build_model
@@ -194,6 +194,13 @@ def test_a_resume_on_other_training_data_says_it_will_not_match_a_run_never_stop
     assert len(changed) == 1 and changed[0].startswith("the training split differs from the one step-00000003 was "
                                                        "trained on (200 pairs now)")
     assert warnings(["train.max_steps=5", "data.max_samples=200"]) == []  # the new data is the run's from then on
+    from typer.testing import CliRunner
+
+    from tformer_cli.cli import app
+
+    quiet = CliRunner().invoke(app, ["train", "--resume", str(tmp_path / "run"), "--set", "train.max_steps=6",
+                                     "--set", "data.max_samples=150", "--quiet"])
+    assert quiet.exit_code == 0 and quiet.stderr.startswith("warning: the training split differs")  # not progress
 
 
 def test_resuming_a_run_at_its_step_limit_trains_no_further(tmp_path):

@@ -23,7 +23,7 @@ DeviceOpt = Annotated[Optional[str], typer.Option(
     "--device", help="auto | cpu | cuda (default: the config's train.device).")]
 DecodeDeviceOpt = Annotated[Optional[str], typer.Option(
     "--device", help="auto | cpu | cuda (default auto: a GPU where there is one).")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output (warnings and errors still).")]
 RunArg = Annotated[Path, typer.Argument(help="Run folder (or a checkpoint folder inside it).")]
 
 # decoding, for eval and generate

@@ -89,7 +89,8 @@ def error_lines(message: str) -> None:
 
 
 class TrainProgress:
-    """A ``train`` callback: live Rich progress (loss, perplexity, lr, tokens/s, ETA) and a summary."""
+    """A ``train`` callback: live Rich progress (loss, perplexity, lr, tokens/s, ETA) and a summary;
+    ``quiet``: warnings only."""
 
     def __init__(self, quiet: bool = False) -> None:
         self.quiet = quiet
@@ -98,7 +99,7 @@ class TrainProgress:
         self.start_info: dict[str, Any] = {}
 
     def __call__(self, event: str, data: dict[str, Any]) -> None:
-        if self.quiet:
+        if self.quiet and event != "warning":  # quiet: no progress, but a warning is not progress
             return
         getattr(self, f"_on_{event}", lambda d: None)(data)
 
