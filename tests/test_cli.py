@@ -260,6 +260,14 @@ def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, mon
         assert result.exit_code == 1 and result.output.strip() == line, result.output
     monkeypatch.setattr(decoding, "translate", lambda *args: 1 / 0)  # other errors are not hidden
     assert isinstance(runner.invoke(app, ["generate", str(run_dir), "seven"]).exception, ZeroDivisionError)
+    monkeypatch.undo()  # a model too large to build: no batch size helps
+
+    import tformer_cli.run_setup as run_setup
+
+    monkeypatch.setattr(run_setup, "build_model", cpu_full)
+    result = runner.invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "large")])
+    assert result.exit_code == 1 and result.output.startswith("error: the model does not fit in the CPU's memory: "
+                                                              "lower model.d_model"), result.output
 
 
 def test_an_error_during_training_stops_the_live_progress_display(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from tformer_cli import __version__
 from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
     ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, QuietOpt, RunArg, SetOpt, check_image_name, check_text)
-from tformer_cli.errors import CheckpointError, Interrupted, TformerError, UsageError, first_line
+from tformer_cli.errors import CheckpointError, Interrupted, TformerError, UsageError, first_line, out_of_memory
 
 
 class _ErrorBoundary(TyperGroup):
@@ -46,7 +46,7 @@ class _ErrorBoundary(TyperGroup):
             error_lines("interrupted")
             raise typer.Exit(128 + getattr(exc, "signum", signal.SIGINT)) from None
         except RuntimeError as exc:  # out of memory: say which setting to lower, not where torch ran out
-            if not _out_of_memory(exc) or ctx.params.get("debug"):
+            if not out_of_memory(exc) or ctx.params.get("debug"):
                 raise
             from tformer_cli.render import error_lines
 
@@ -63,11 +63,6 @@ OUT_OF_MEMORY = {
     "generate": "lower --batch-size (sentences decoded together)",
     "inspect-attention": "use a shorter sentence",
 }
-
-
-def _out_of_memory(exc: RuntimeError) -> bool:
-    """torch's CUDA allocator raises OutOfMemoryError; its CPU allocator a RuntimeError saying so."""
-    return type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc)
 
 
 app = typer.Typer(

@@ -25,6 +25,12 @@ class DivergedError(TformerError):
     """Training diverged: the weights are no longer finite. The checkpoints saved before are kept."""
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether torch ran out of memory: its CUDA allocator raises OutOfMemoryError, its CPU allocator a
+    RuntimeError saying so."""
+    return type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc)
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (or its type's name), for a one-line error about it."""
     lines = str(exc).strip().splitlines()

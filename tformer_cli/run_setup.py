@@ -15,7 +15,7 @@ from tformer_cli.config import Config
 from tformer_cli.encoding import (
     cached_vocabulary, encodings_cached, load_encoded, prepare_apart, train_or_load_vocabulary, worth_preparing_apart)
 from tformer_cli.ema import WeightEMA
-from tformer_cli.errors import CheckpointError, DataError, first_line
+from tformer_cli.errors import CheckpointError, ConfigError, DataError, first_line, out_of_memory
 from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, compiles, label_smoothed_loss
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
 from tformer_cli.model import build_model
@@ -104,7 +104,14 @@ class Setup:
             self.ema.load_state_dict({**saved["ema"], "shadow": shadow})
 
     def _build_model(self) -> torch.nn.Module:
-        model = build_model(self.config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(self.device)
+        try:
+            model = build_model(self.config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(self.device)
+        except RuntimeError as exc:  # the model alone: lowering train.max_tokens, the usual advice, cannot help
+            if not out_of_memory(exc):
+                raise
+            raise ConfigError(f"the model does not fit in the {self.device.type.upper()}'s memory: lower model.d_model, "
+                              "model.d_ff or the number of layers (tformer count-params CONFIG shows what it "
+                              "needs)") from None
         return accelerate(model, self.device, self.config.train.accel)  # the speed layer, unless train.accel is off
 
     def whole_model(self) -> torch.nn.Module | None:
