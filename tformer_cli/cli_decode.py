@@ -198,15 +198,7 @@ def generate(
     check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
     check_mode(accel)
     check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
-    if sample and beam_size is not None and beam_size > 1:
-        raise UsageError(f"--beam-size {beam_size} with --sample: sampling draws each token at random, not by beam "
-                         "search; drop --beam-size (--nbest N draws N samples)")
-    if sample and mbr and mbr_candidates == "beam":
-        raise UsageError("--sample with --mbr-candidates beam: the candidates come from a beam search; drop "
-                         "--sample, or use --mbr-candidates sample")
-    if json_input and texts:
-        raise UsageError("--json-input reads standard input; drop the TEXTS arguments")
-    check_text("--prefix", prefix)
+    _check_generate_flags(texts or [], prefix, sample, beam_size, mbr_candidates if mbr else None, json_input)
     dev = resolve_device(device or "auto")
     if engine == "tformer":
         loaded, models, amp = load_for_decoding(ensemble_runs(run, ensemble), dev, accel, precision)
@@ -225,8 +217,6 @@ def generate(
         min_len=min_len, no_repeat_ngram=no_repeat_ngram, align_layer=(align_layer or layers) - 1 if align else None,
         mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
     size = sentences_per_batch(options, batch_size or loaded.config.decode.batch_size)
-    for text in texts or []:
-        check_text("TEXTS", text)
     if texts:
         inputs = ((text, prefix) for text in texts)
     elif json_input:
@@ -250,6 +240,22 @@ def generate(
                      f"{result.source[:40]}…")
             generation_lines(result, json_output, number, loaded.vocab if align else None)
             number += 1
+
+
+def _check_generate_flags(texts: list[str], prefix: str | None, sample: bool, beam_size: int | None,
+                          mbr_candidates: str | None, json_input: bool) -> None:
+    """The combinations of generate's flags that cannot work, and texts that are not UTF-8."""
+    if sample and beam_size is not None and beam_size > 1:
+        raise UsageError(f"--beam-size {beam_size} with --sample: sampling draws each token at random, not by beam "
+                         "search; drop --beam-size (--nbest N draws N samples)")
+    if sample and mbr_candidates == "beam":
+        raise UsageError("--sample with --mbr-candidates beam: the candidates come from a beam search; drop "
+                         "--sample, or use --mbr-candidates sample")
+    if json_input and texts:
+        raise UsageError("--json-input reads standard input; drop the TEXTS arguments")
+    check_text("--prefix", prefix)
+    for text in texts:
+        check_text("TEXTS", text)
 
 
 def check_hypotheses_file(output: Path, data: DataConfig) -> None:
