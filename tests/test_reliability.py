@@ -60,6 +60,18 @@ def test_overwrite_never_deletes_a_folder_that_tformer_did_not_make(tmp_path):
     assert _train(config, "--output-dir", run, "--overwrite").exit_code == 0  # only tformer's files: replaced
 
 
+def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_run(tmp_path, monkeypatch):
+    (tmp_path / "not-a-folder").write_text("mine\n")
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "not-a-folder"))
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 2})
+    result = runner.invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "run"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [f"warning: the cache in {tmp_path / 'not-a-folder'} cannot be written (Not a "
+                                          "directory): the next run learns and tokenises again; set TFORMER_CACHE "
+                                          "to a writable folder"]
+    assert step_checkpoints(tmp_path / "run") and (tmp_path / "not-a-folder").read_text() == "mine\n"
+
+
 class _Planted:
     """A pickle that would create a file if it were ever unpickled."""
 

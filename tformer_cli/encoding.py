@@ -142,17 +142,27 @@ def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
         except (OSError, ValueError) as exc:
             notice(f"rebuilding the cached encoding {path}: {exc}")
     pairs = read_pairs(cfg, split)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # no cache costs time next run, nothing else
+        notice(_uncached(exc))
+        return encode_split(pairs, vocab, cfg)
     workers = min(usable_cpus(), MAX_ENCODE_WORKERS) if len(pairs) >= ENCODE_IN_WORKERS else 1
     encoded = _encode_in_workers(cfg, split, vocab, len(pairs), workers) if workers > 1 \
         else encode_split(pairs, vocab, cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         write_encoded(encoded, path)
         # read back: the cache is memory-mapped, so the processes of a node share one copy of the split
         return read_encoded(path)
-    except (CheckpointError, OSError, ValueError) as exc:  # no cache costs time next run, nothing else
-        notice(str(exc))
+    except (CheckpointError, OSError, ValueError) as exc:
+        notice(_uncached(exc))
         return encoded
+
+
+def _uncached(exc: Exception) -> str:
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc)  # the same for every path
+    return (f"the cache in {cache_dir()} cannot be written ({why}): the next run learns and tokenises again; set "
+            "TFORMER_CACHE to a writable folder")
 
 
 def _encode_in_workers(cfg: DataConfig, split: str, vocab: Vocabulary, size: int, workers: int) -> EncodedSplit:
@@ -273,8 +283,11 @@ def train_or_load_vocabulary(cfg: DataConfig, notice: Callable[[str], None] = la
     pairs = read_pairs(cfg, cfg.train_split)
     vocab = Vocabulary.train(pairs, cfg.vocab_size, cfg.joint_vocab, cfg.min_frequency, cfg.lowercase,
                              cfg.bpe_max_pairs)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab.save(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        vocab.save(folder)
+    except (CheckpointError, OSError) as exc:
+        notice(_uncached(exc))
     return vocab
 
 
