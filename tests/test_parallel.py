@@ -238,7 +238,7 @@ def test_a_mistake_stops_every_process_with_one_line_each(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode != 0 and sorted(errors) == [
         f"error: data.dataset: no such folder '{tmp_path / 'missing'}'; check the path (relative paths start "
-        "from the current directory)",
+        "from the current directory), or evaluate other files with eval --data-files",
         "error: process 1: another training process stopped (RuntimeError); its own error says why"]
     assert "tformer_cli/" not in result.stderr  # no traceback from inside tformer (torchrun reports its own)
 

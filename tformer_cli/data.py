@@ -214,7 +214,7 @@ def _load_named(name: str, subset: str | None, split: str):
     local = Path(name).exists()
     if not local and name.startswith(("/", "./", "../", "~")):  # a path, not a hub id (owner/name)
         raise DataError(f"data.dataset: no such folder '{name}'; check the path (relative paths start "
-                        "from the current directory)")
+                        "from the current directory), or evaluate other files with eval --data-files")
     unreachable = None if local else _hub_unreachable()
     failed: list[str] = []
     try:
