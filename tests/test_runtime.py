@@ -44,6 +44,12 @@ def test_keep_last_prunes_old_checkpoints_and_weights_round_trip(tmp_path):
     save_checkpoint(tmp_path, 6, model, {"state": {}}, keep_last=2)
     assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000005", "step-00000006"]
     assert [p.name for p in (tmp_path / "checkpoints" / "step-00000004").iterdir()] == ["hyps.txt"]
+    # a checkpoint that is a link someone made is left alone, as is what it points to
+    elsewhere = tmp_path / "elsewhere"
+    (tmp_path / "checkpoints" / "step-00000005").rename(elsewhere)
+    (tmp_path / "checkpoints" / "step-00000005").symlink_to(elsewhere)
+    save_checkpoint(tmp_path, 7, model, {"state": {}}, keep_last=2)
+    assert (elsewhere / "model.safetensors").is_file() and (tmp_path / "checkpoints" / "step-00000005").is_symlink()
     # so does writing a checkpoint again over one of the same step
     (tmp_path / "checkpoints" / "step-00000006" / "notes.txt").write_text("mine too\n")
     save_checkpoint(tmp_path, 6, model, {"state": {"again": torch.ones(1)}}, keep_last=2)

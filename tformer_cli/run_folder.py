@@ -59,7 +59,7 @@ def holding(run_dir: Path) -> Iterator[None]:
     finally:
         if lock is not None:
             lock.close()
-        if made and [path.name for path in run_dir.iterdir()] == [MARKER]:
+        if made and run_dir.is_dir() and [path.name for path in run_dir.iterdir()] == [MARKER]:
             (run_dir / MARKER).unlink()
             run_dir.rmdir()
 
@@ -104,11 +104,16 @@ def is_run_file(path: Path) -> bool:
 def remove_checkpoint(folder: Path) -> None:
     """Delete a step checkpoint's own files, and the folder once it is empty: a file put there by
     someone else stays, in a folder that no longer counts as a checkpoint."""
-    for path in folder.iterdir():
-        if _is_own_file(path, _CHECKPOINT_FILES):
-            path.unlink()
-    if not any(folder.iterdir()):
-        folder.rmdir()
+    if folder.is_symlink():  # a link someone made: neither it nor what it points to is tformer's to delete
+        return
+    try:
+        for path in folder.iterdir():
+            if _is_own_file(path, _CHECKPOINT_FILES):
+                path.unlink()
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    except OSError:  # gone already, or not ours to change: pruning never stops training
+        pass
 
 
 def foreign_files(run_dir: Path) -> list[Path]:
