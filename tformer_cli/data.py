@@ -44,8 +44,8 @@ def local_sources(cfg: DataConfig) -> list[Path]:
     if cfg.data_files:
         files = [[f] if isinstance(f, str) else f for f in cfg.data_files.values()]
         return [Path(f).expanduser().resolve() for split in files for f in split]
-    folder = Path(cfg.dataset).expanduser()
-    return [folder.resolve()] if folder.is_dir() else []
+    folder = Path(cfg.dataset).expanduser() if cfg.dataset else None
+    return [folder.resolve()] if folder is not None and folder.is_dir() else []
 
 
 def load_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
