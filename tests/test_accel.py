@@ -89,6 +89,23 @@ def test_off_and_other_devices_leave_the_plain_model():
         assert not gemm._enabled
 
 
+def test_a_model_on_one_device_leaves_the_other_devices_switches_as_they_were(monkeypatch):
+    from tformer_cli.accel import fused_loss, graphs
+
+    for module in (gemm, fused_loss, graphs):  # restored after the test
+        monkeypatch.setattr(module, "_enabled", module._enabled)
+    model = build_model(tiny_model_config(), VOCAB)
+    accelerate(model, "cuda", "auto")  # on a CPU machine nothing is moved or swapped for CUDA: switches only
+    assert fused_loss._enabled and graphs._enabled
+    monkeypatch.setattr(gemm, "pays_here", lambda: True)
+    accelerate(build_model(tiny_model_config(), VOCAB), "cpu", "auto")
+    assert gemm._enabled and fused_loss._enabled and graphs._enabled
+    accelerate(build_model(tiny_model_config(), VOCAB), "cpu", "off")
+    assert not gemm._enabled and fused_loss._enabled and graphs._enabled
+    accelerate(model, "cuda", "off")
+    assert not fused_loss._enabled and not graphs._enabled
+
+
 def test_widen_kernel_cache_sets_capacity_unless_the_user_did(monkeypatch):
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # recorded, so teardown restores the variable
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")

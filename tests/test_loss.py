@@ -193,7 +193,7 @@ def test_accelerate_turns_the_fused_loss_on_for_cuda_models_in_mode_auto(monkeyp
     model = torch.nn.Linear(2, 2)  # nothing to swap; on "cuda" accelerate only sets switches
     for device, mode, skip, on in [("cuda", "auto", (), True), ("cuda", "off", (), False), ("cuda", "auto", (), True),
                                    ("cuda", "auto", ("loss",), False), ("cuda", "auto", (), True),
-                                   ("cpu", "auto", ("runtime",), False)]:
+                                   ("cpu", "auto", ("runtime",), True)]:  # a CPU model leaves CUDA's switch
         accelerate(model, device, mode, skip)
         assert fused_loss._enabled is on, (device, mode, skip)
 

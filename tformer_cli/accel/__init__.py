@@ -58,7 +58,9 @@ def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
     swapped modules hold the model's own parameters, so tied weights stay tied and the state dict keeps
     its keys. ``mode`` "off" leaves the model plain (and torch's own products in the fused loss);
     ``skip`` leaves out some of ``PIECES`` (the benchmark measures what each buys). ``int8`` (CPU
-    decoding, ``--precision int8``) gives every linear layer int8 weights, with either mode."""
+    decoding, ``--precision int8``) gives every linear layer int8 weights, with either mode. The
+    switches of the oneDNN products (CPU), the fused loss and the decoding graphs (CUDA) are the
+    process's, one set per kind of device: the model last accelerated for a kind of device sets them."""
     check_mode(mode)
     unknown = set(skip) - set(PIECES)
     if unknown:
@@ -66,12 +68,14 @@ def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
     if int8:
         quantize_int8(model)
         skip = (*skip, "linear")
-    on_cpu = torch.device(device).type == "cpu" and mode == "auto"
-    gemm.enable(on_cpu and "gemm" not in skip and gemm.pays_here())
-    on_gpu = torch.device(device).type == "cuda" and mode == "auto"
-    fused_loss.enable(on_gpu and "loss" not in skip)
-    graphs.enable(on_gpu and "graphs" not in skip)
-    if on_cpu:
+    # only this kind of device's switches: a CPU model loaded beside a GPU one leaves the GPU's as they were
+    kind, on = torch.device(device).type, mode == "auto"
+    if kind == "cpu":
+        gemm.enable(on and "gemm" not in skip and gemm.pays_here())
+    elif kind == "cuda":
+        fused_loss.enable(on and "loss" not in skip)
+        graphs.enable(on and "graphs" not in skip)
+    if kind == "cpu" and on:
         if "runtime" not in skip:
             tune_runtime()
         _swap(model, set(skip))
