@@ -177,8 +177,8 @@ def evaluate_run(model: torch.nn.Module | Ensemble, vocab, data_cfg, split: str,
     import time
 
     from tformer_cli.data import load_pairs
-    from tformer_cli.encoding import encode_split
     from tformer_cli.decoding import translate
+    from tformer_cli.encoding import encode_split
 
     pairs = load_pairs(data_cfg, split)
     encoded = encode_split(pairs, vocab, replace(data_cfg, long_pairs="truncate"))
