@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from conftest import tiny_model_config
-from tformer_cli.decoding import DecodeOptions, argmax, beam_search, decode_batch, greedy_or_sample, topk, translate
+from tformer_cli.accel.search import argmax, topk
+from tformer_cli.decoding import DecodeOptions, beam_search, decode_batch, greedy_or_sample, translate
 from tformer_cli.model import build_model
 from tformer_cli.tokenizer import BOS_ID, EOS_ID, Vocabulary
 

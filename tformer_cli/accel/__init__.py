@@ -16,6 +16,9 @@ tested equal to the plain path (tests/test_accel*.py), and turned off by ``train
   training step (``build_kernels``); the training loop calls both;
 - with ``int8``, int8 linear layers for decoding (int8.py).
 
+Decoding's argmax and top-k by blocks (search.py) are not swapped in: they return torch's own results,
+faster on a CPU, whatever the mode.
+
 On a GPU torch's own kernels are the fast ones and nothing is swapped; the fused loss computes its
 softmax and logit gradient in one compiled pass instead of several (fused_loss.py), and greedy and
 beam search replay each step as one CUDA graph (graphs.py).
