@@ -51,6 +51,28 @@ def test_a_run_being_trained_is_neither_trained_again_nor_overwritten_and_a_fail
     assert not (tmp_path / "failed").exists()
 
 
+def test_a_killed_trainings_hold_on_its_run_goes_with_it(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from tformer_cli.run_folder import check_not_held
+
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from tformer_cli.run_folder import holding\n"
+                               "with holding(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(60)",
+                               str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UsageError, match="another `tformer train` is writing this run now"):
+            check_not_held(run)
+    finally:
+        holder.send_signal(signal.SIGKILL)  # no clean-up of its own: the OS lets the lock go
+        holder.wait()
+    check_not_held(run)
+
+
 def test_a_runs_config_finds_its_local_data_from_any_directory(tmp_path, monkeypatch):
     files = {"train": "data/numbers/train.jsonl", "validation": ["data/numbers/validation.jsonl", "nope.jsonl"]}
     path = write_config(tmp_path / "rel.yaml", data={"data_files": files})
