@@ -208,6 +208,9 @@ def test_encoded_splits_are_cached(tmp_path):
     first = load_encoded(cfg, "train", vocab)
     cached = load_encoded(cfg, "train", vocab)
     assert cached.src == first.src and cached.tgt == first.tgt and cached is not first
+    # the cache entry's checksum is the split's signature, as a split tokenised afresh computes it
+    afresh = encode_split(load_pairs(cfg, "train"), vocab, cfg)
+    assert cached.checksum and cached.signature() == afresh.signature() and afresh.checksum is None
     assert list(cached.pairs) == [(r["de"], r["en"]) for r in ROWS] == list(first.pairs)
     _jsonl(tmp_path / "train.jsonl", ROWS[:4])  # changed data invalidates the cache
     assert len(load_encoded(cfg, "train", vocab)) == 4

@@ -13,7 +13,7 @@ import json
 import os
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ class EncodedSplit:
     dropped_empty: int = 0
     dropped_long: int = 0
     truncated: int = 0
+    checksum: str | None = field(default=None, compare=False, repr=False)  # the cache entry's, where read from one
 
     def __post_init__(self) -> None:
         self.src, self.tgt = (s if isinstance(s, Sequences) else Sequences.from_lists(s) for s in (self.src, self.tgt))
@@ -67,11 +68,9 @@ class EncodedSplit:
         return len(self.src)
 
     def signature(self) -> str:
-        """A digest of the token ids: equal for the same pairs tokenised alike, wherever they are read."""
-        digest = hashlib.sha256()
-        for part in (self.src.ids, self.src.offsets, self.tgt.ids, self.tgt.offsets):
-            digest.update(part.contiguous().numpy())
-        return digest.hexdigest()[:16]
+        """A digest of the split's ids and texts: equal for the same pairs tokenised alike, wherever they
+        are read. A split read from the cache has it already (its entry's checksum, verified on reading)."""
+        return (self.checksum or _checksum(_tensors(self)))[:16]
 
 
 def data_fingerprint(cfg: DataConfig, split: str, *extra: Any) -> str:
@@ -221,11 +220,16 @@ _ENCODED_COUNTS = ("dropped_empty", "dropped_long", "truncated")
 _ENCODED_DTYPES = {"src_ids": torch.int32, "tgt_ids": torch.int32, "text_bytes": torch.uint8}
 
 
-def write_encoded(split: EncodedSplit, path: Path) -> None:
+def _tensors(split: EncodedSplit) -> dict[str, torch.Tensor]:
+    """The split as a cache entry's tensors (``_ENCODED_TENSORS``)."""
     text_bytes = split.pairs.data if split.pairs.data.numel() else torch.zeros(1, dtype=torch.uint8)  # none: 1 byte
-    tensors = {"src_ids": split.src.ids, "src_offsets": split.src.offsets,
-               "tgt_ids": split.tgt.ids, "tgt_offsets": split.tgt.offsets,
-               "text_bytes": text_bytes, "text_offsets": split.pairs.offsets}
+    return {"src_ids": split.src.ids, "src_offsets": split.src.offsets,
+            "tgt_ids": split.tgt.ids, "tgt_offsets": split.tgt.offsets,
+            "text_bytes": text_bytes, "text_offsets": split.pairs.offsets}
+
+
+def write_encoded(split: EncodedSplit, path: Path) -> None:
+    tensors = _tensors(split)
     metadata = {"format": str(CACHE_FORMAT), "sha256": _checksum(tensors),
                 **{name: str(getattr(split, name)) for name in _ENCODED_COUNTS}}
     with replacing(path, shared=True) as tmp:
@@ -258,7 +262,7 @@ def read_encoded(path: Path) -> EncodedSplit:
     split = EncodedSplit(Sequences(tensors["src_ids"], tensors["src_offsets"]),
                          Sequences(tensors["tgt_ids"], tensors["tgt_offsets"]),
                          TextPairs(tensors["text_bytes"], tensors["text_offsets"]),
-                         **{name: int(metadata[name]) for name in _ENCODED_COUNTS})
+                         **{name: int(metadata[name]) for name in _ENCODED_COUNTS}, checksum=metadata["sha256"])
     if len(split.tgt) != len(split) or len(split.pairs) != len(split) or split.pairs.offsets.numel() % 2 == 0:
         raise ValueError("its parts differ in length")
     return split
