@@ -198,7 +198,7 @@ def generate(
     check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
     check_mode(accel)
     check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
-    _check_generate_flags(texts or [], prefix, sample, beam_size, mbr_candidates if mbr else None, json_input)
+    _check_generate_flags(texts or [], prefix, sample, beam_size, mbr, mbr_candidates, json_input)
     dev = resolve_device(device or "auto")
     if engine == "tformer":
         loaded, models, amp = load_for_decoding(ensemble_runs(run, ensemble), dev, accel, precision)
@@ -242,13 +242,13 @@ def generate(
             number += 1
 
 
-def _check_generate_flags(texts: list[str], prefix: str | None, sample: bool, beam_size: int | None,
-                          mbr_candidates: str | None, json_input: bool) -> None:
+def _check_generate_flags(texts: list[str], prefix: str | None, sample: bool, beam_size: int | None, mbr: int,
+                          mbr_candidates: str, json_input: bool) -> None:
     """The combinations of generate's flags that cannot work, and texts that are not UTF-8."""
     if sample and beam_size is not None and beam_size > 1:
         raise UsageError(f"--beam-size {beam_size} with --sample: sampling draws each token at random, not by beam "
                          "search; drop --beam-size (--nbest N draws N samples)")
-    if sample and mbr_candidates == "beam":
+    if sample and mbr and mbr_candidates == "beam":
         raise UsageError("--sample with --mbr-candidates beam: the candidates come from a beam search; drop "
                          "--sample, or use --mbr-candidates sample")
     if json_input and texts:

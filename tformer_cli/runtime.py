@@ -404,4 +404,3 @@ def average_checkpoints(checkpoints: list[Path], output: Path, run_dir: Path) ->
             with replacing(output / name) as tmp:
                 shutil.copyfile(Path(run_dir) / name, tmp)
     return output
-
