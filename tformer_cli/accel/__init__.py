@@ -75,13 +75,13 @@ def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
     kind, on = torch.device(device).type, mode == "auto"
     if kind == "cpu":
         gemm.enable(on and "gemm" not in skip and gemm.pays_here())
+        if on and "runtime" not in skip:
+            tune_runtime()
+        if on:
+            _swap(model, set(skip))
     elif kind == "cuda":
         fused_loss.enable(on and "loss" not in skip)
         graphs.enable(on and "graphs" not in skip)
-    if kind == "cpu" and on:
-        if "runtime" not in skip:
-            tune_runtime()
-        _swap(model, set(skip))
     return model
 
 
