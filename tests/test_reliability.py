@@ -218,3 +218,31 @@ def test_metrics_are_strict_json_and_a_cut_last_line_is_skipped(tmp_path, traine
         f.write('{"split": "validation", "step": 3')
     assert runner.invoke(app, ["plot", str(run)]).exit_code == 0
     assert runner.invoke(app, ["average", str(run), "--best", "1"]).exit_code == 0
+
+
+def test_what_tformer_writes_is_as_readable_as_any_new_file(tmp_path, trained_run):
+    # safetensors 0.8 creates its files readable by their owner alone (safetensors#782)
+    (tmp_path / "plain").write_text("")
+    expected = (tmp_path / "plain").stat().st_mode & 0o777
+    for command in (["average", trained_run, "--last", "2", "--output", tmp_path / "avg"],
+                    ["export", trained_run, tmp_path / "hf"]):
+        assert runner.invoke(app, list(map(str, command))).exit_code == 0
+    written = [p for folder in (trained_run, tmp_path / "avg", tmp_path / "hf") for p in folder.rglob("*")
+               if p.is_file() and p.name != MARKER]
+    assert {p.name for p in written} >= {"model.safetensors", "trainer.pt", "config.yaml", "config.json"}
+    assert {str(p.relative_to(tmp_path.parent)): oct(p.stat().st_mode & 0o777) for p in written
+            if p.stat().st_mode & 0o777 != expected} == {}
+
+
+def test_an_export_cut_short_leaves_no_folder_behind(tmp_path, trained_run, monkeypatch):
+    import safetensors.torch
+
+    def fills_the_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fills_the_disk)
+    result = runner.invoke(app, ["export", str(trained_run), str(tmp_path / "hf")])
+    assert result.exit_code == 1 and "No space left on device" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert runner.invoke(app, ["export", str(trained_run), str(tmp_path / "hf")]).exit_code == 0  # nothing in its way

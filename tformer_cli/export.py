@@ -18,6 +18,8 @@ needs no `transformers`; loading it does.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from tformer_cli.config import Config, ModelConfig
 from tformer_cli.errors import UsageError
+from tformer_cli.files import replacing
 from tformer_cli.tokenizer import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, UNK, Vocabulary
 
 
@@ -129,18 +132,19 @@ def export_hf(model: torch.nn.Module, config: Config, vocab: Vocabulary, out: Pa
     from tokenizers import Tokenizer, processors
 
     check_marian(config, vocab)
-    out = _new_folder(out)
-    save_file(marian_state_dict(model, config.model.d_model), str(out / "model.safetensors"), {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(marian_config(config, vocab.src_size), indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(generation_config(config), indent=2) + "\n")
-    tokenizer = Tokenizer.from_str(vocab.source.to_str())  # a copy, given the post-processor below
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", pair=f"$A {EOS} $B {EOS}",
-                                                             special_tokens=[(EOS, EOS_ID)])
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
-        "unk_token": UNK, "model_max_length": config.model.max_len}, indent=2) + "\n")
-    return out
+    with _new_folder(out) as tmp:
+        weights = marian_state_dict(model, config.model.d_model)
+        save_file(weights, str(tmp / "model.safetensors"), {"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(marian_config(config, vocab.src_size), indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config(config), indent=2) + "\n")
+        tokenizer = Tokenizer.from_str(vocab.source.to_str())  # a copy, given the post-processor below
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", pair=f"$A {EOS} $B {EOS}",
+                                                                 special_tokens=[(EOS, EOS_ID)])
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD, "bos_token": BOS, "eos_token": EOS,
+            "unk_token": UNK, "model_max_length": config.model.max_len}, indent=2) + "\n")
+    return Path(out)
 
 
 QUANTIZATIONS = ("int8", "int8_float16", "int8_float32", "int8_bfloat16", "float16", "bfloat16")
@@ -164,14 +168,14 @@ def export_ctranslate2(model: torch.nn.Module, config: Config, vocab: Vocabulary
                          "Transformer takes position tables only (sinusoidal or learned)")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise UsageError(f"--quantization {quantization}: expected one of {', '.join(QUANTIZATIONS)}")
-    out = _new_folder(out)
-    spec = ctranslate2_spec(model, m, vocab.source_tokens(list(range(vocab.src_size))),
-                            vocab.target_tokens(list(range(vocab.tgt_size))))
-    spec.validate()
-    spec.optimize(quantization=quantization)
-    spec.save(str(out))
-    vocab.save(out)  # the tokenizer(s), for callers to turn text into tokens and back
-    return out
+    with _new_folder(out) as tmp:
+        spec = ctranslate2_spec(model, m, vocab.source_tokens(list(range(vocab.src_size))),
+                                vocab.target_tokens(list(range(vocab.tgt_size))))
+        spec.validate()
+        spec.optimize(quantization=quantization)
+        spec.save(str(tmp))
+        vocab.save(tmp)  # the tokenizer(s), for callers to turn text into tokens and back
+    return Path(out)
 
 
 def ctranslate2_spec(model: torch.nn.Module, m: ModelConfig, source_tokens: list[str], target_tokens: list[str]):
@@ -233,9 +237,14 @@ def ctranslate2_spec(model: torch.nn.Module, m: ModelConfig, source_tokens: list
     return spec
 
 
-def _new_folder(out: Path) -> Path:
+@contextmanager
+def _new_folder(out: Path) -> Iterator[Path]:
+    """A temporary folder to write the export into, renamed to ``out`` (new or empty) once complete:
+    an export cut short leaves nothing behind."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out}: exists and is not an empty folder; name a new folder for the export")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(out) as tmp:
+        tmp.mkdir()
+        yield tmp

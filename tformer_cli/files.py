@@ -1,10 +1,12 @@
 """Writing files so that nothing acknowledged is lost: every file is written under a temporary name,
 flushed to the disk and renamed into place, so a crash, a kill or a full disk leaves either the old
-file or the new one, never a broken one, and no temporary file behind. JSON lines are strict JSON.
+file or the new one, never a broken one, and no temporary file behind. Every file gets the mode a
+new file gets (0o666 less the umask), whatever wrote it. JSON lines are strict JSON.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -37,7 +39,7 @@ def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
     _remove(tmp)
     try:
         yield tmp
-        _sync(tmp)
+        _finish(tmp)
         if path.is_dir() and tmp.is_dir():  # a folder cannot be renamed over a full one
             _carry_over(path, tmp)
             _remove(path)  # only once the new one is written
@@ -139,15 +141,27 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _sync(path: Path) -> None:
-    """Flush a file, or a folder's files, to the disk before it is renamed into place."""
+def _finish(path: Path) -> None:
+    """Ready a file, or a folder's files, to be renamed into place: the mode of a new file, and
+    flushed to the disk. (safetensors 0.8 creates its files readable by their owner alone,
+    safetensors#782, which would shut a run's other users out of its weights.)"""
     for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
-        if file.is_file():
+        if file.is_file() and not file.is_symlink():
+            if file.stat().st_mode & 0o777 != new_file_mode():
+                file.chmod(new_file_mode())
             fd = os.open(file, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+@functools.cache
+def new_file_mode() -> int:
+    """The permissions ``open()`` gives a new file in this process: 0o666 less the umask."""
+    umask = os.umask(0o022)  # reading the umask means setting it; it is put back at once
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _sync_folder(folder: Path) -> None:
