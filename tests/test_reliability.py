@@ -246,3 +246,13 @@ def test_an_export_cut_short_leaves_no_folder_behind(tmp_path, trained_run, monk
     assert list(tmp_path.iterdir()) == []
     monkeypatch.undo()
     assert runner.invoke(app, ["export", str(trained_run), str(tmp_path / "hf")]).exit_code == 0  # nothing in its way
+
+
+def test_resume_refuses_a_folder_that_tformer_train_did_not_start(tmp_path, trained_run):
+    average = tmp_path / "average"  # a standalone average: a config, a tokenizer and weights, no run
+    assert runner.invoke(app, ["average", str(trained_run), "--last", "2", "--output", str(average)]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in average.iterdir()}
+    result = _train("--resume", average)
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert "not a run that tformer train started" in result.stderr and "--output-dir NEW_FOLDER" in result.stderr
+    assert {p.name: p.read_bytes() for p in average.iterdir()} == before

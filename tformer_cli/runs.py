@@ -28,12 +28,17 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
     Raises:
         UsageError: neither or both of config and resume, a device that is not there (checked before
             anything is cleared), or a new run would overwrite an old one.
+        CheckpointError: ``resume`` is not a run folder that ``tformer train`` started.
     """
     if (config_path is None) == (resume is None):
         raise UsageError("give either a CONFIG to start a run or --resume RUN_FOLDER to continue one")
     if resume is not None:
         if not (Path(resume) / CONFIG).is_file():
             raise CheckpointError(f"--resume {resume}: not a run folder (no config.yaml)")
+        if not is_marked(resume) and not step_checkpoints(resume):  # a user's folder, or an average's
+            raise CheckpointError(f"--resume {resume}: not a run that tformer train started (no {MARKER} marker, "
+                                  f"no checkpoint); start one from its config: tformer train "
+                                  f"{Path(resume) / CONFIG} --output-dir NEW_FOLDER")
         config = load_config(Path(resume) / CONFIG, overrides, saved_run=True)
         if overrides:
             _refuse_fixed_changes(load_config(Path(resume) / CONFIG, saved_run=True), config)
