@@ -198,7 +198,7 @@ class Tformer(System):
 
         self.model.eval()
         options = DecodeOptions(beam_size=beams, max_len_a=0, max_len_b=new_tokens, min_len=new_tokens)
-        if HOLD_FOR_DECODING and held_in_bf16(src.device, PRECISION):
+        if HOLD_FOR_DECODING and held_in_bf16(src.device, PRECISION, ACCEL):
             self.model.to(torch.bfloat16)
             with torch.autocast(src.device.type, enabled=False):  # the suite's autocast: not for a bf16 model
                 return decode_batch(self.model, src, options)

@@ -154,8 +154,8 @@ def test_eval_in_bf16_on_cuda_holds_the_model_in_bf16_and_keeps_its_loss(trained
     held = []
     hold = cli_options.hold_for_decoding
 
-    def recorded(models, device, precision, amp):
-        context = hold(models, device, precision, amp)
+    def recorded(models, *args):
+        context = hold(models, *args)
         held.append(models.models[0].output_proj.weight.dtype)
         return context
 

@@ -258,6 +258,7 @@ def test_a_model_held_in_bf16_decodes_as_the_fp32_model_does(model):
     amp = object()
     assert hold_for_decoding(held, torch.device("cpu"), "bf16", amp) is amp  # CPUs: autocast, the model as it was
     assert hold_for_decoding(held, torch.device("cuda"), "fp16", amp) is amp
+    assert hold_for_decoding(held, torch.device("cuda"), "bf16", amp, accel="off") is amp  # the plain path
     assert held.models[0].output_proj.weight.dtype == torch.float32
     assert isinstance(hold_for_decoding(held, torch.device("cuda"), "bf16", amp), nullcontext)
     assert all(p.dtype == torch.bfloat16 for p in held.models[0].parameters())

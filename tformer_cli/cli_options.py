@@ -71,12 +71,13 @@ def decoding_autocast(device, precision: str):
     return amp
 
 
-def held_in_bf16(device, precision: str) -> bool:
+def held_in_bf16(device, precision: str, accel: str = "auto") -> bool:
     """Whether decoding holds the models in bf16 instead of running them under autocast: with
-    ``--precision bf16`` on a GPU, as inference engines do. Autocast casts the activations entering
-    each linear layer, a kernel each; held in bf16, greedy decoding of base as CUDA graphs is 1.28x
-    faster on an H200, and Multi30k's test2016 BLEU stays within 0.1 of autocast's (benchmarks/README.md)."""
-    return device.type == "cuda" and precision == "bf16"
+    ``--precision bf16`` on a GPU, as inference engines do, unless the speed layer is off (the plain
+    path: fp32 weights under autocast). Autocast casts the activations entering each linear layer, a
+    kernel each; held in bf16, greedy decoding of base as CUDA graphs is 1.28x faster on an H200, and
+    Multi30k's test2016 BLEU stays within 0.1 of autocast's (benchmarks/README.md)."""
+    return device.type == "cuda" and precision == "bf16" and accel != "off"
 
 
 def load_for_decoding(runs: list[Path], device, accel: str, precision: str):
@@ -86,15 +87,15 @@ def load_for_decoding(runs: list[Path], device, accel: str, precision: str):
 
     amp = decoding_autocast(device, precision)
     loaded, models = load_ensemble(runs, device, accel, int8=precision == "int8")
-    return loaded, models, hold_for_decoding(models, device, precision, amp)
+    return loaded, models, hold_for_decoding(models, device, precision, amp, accel)
 
 
-def hold_for_decoding(models, device, precision: str, amp):
+def hold_for_decoding(models, device, precision: str, amp, accel: str = "auto"):
     """The context to decode in: none, with the models now held in bf16, where ``held_in_bf16``;
     elsewhere the autocast context ``amp`` from ``decoding_autocast``."""
     import torch
 
-    if not held_in_bf16(device, precision):
+    if not held_in_bf16(device, precision, accel):
         return amp
     for model in models.models:
         model.to(torch.bfloat16)
