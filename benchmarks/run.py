@@ -42,7 +42,7 @@ import systems  # noqa: E402
 from tformer_cli.accel import PIECES  # noqa: E402
 from tformer_cli.accel.linear import PACKING, PACKING_BF16  # noqa: E402
 from tformer_cli.accel.ops import LINEAR_POINTWISE, REORDER_LINEAR_WEIGHT  # noqa: E402
-from tformer_cli.runtime import PRECISION_DTYPES, best_seconds, reset_peak_memory, resident_mib  # noqa: E402
+from tformer_cli.devices import PRECISION_DTYPES, best_seconds, reset_peak_memory, resident_mib  # noqa: E402
 
 WORKLOADS = ("train", "greedy", "beam", "memory", "data")
 HIGHER_IS_BETTER = {"train": True, "greedy": True, "beam": True, "memory": False, "data": True}

@@ -41,7 +41,7 @@ def test_a_line_that_is_not_json_names_its_file_and_prints_nothing_else(tmp_path
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # as DATASETS_VERBOSITY=critical sets it
     logging.getLogger("datasets.packaged_modules.json.json").isEnabledFor(logging.ERROR)  # cached: off
     try:
-        with pytest.raises(DataError, match=rf"could not read .*corpus/train.jsonl of the dataset folder"):
+        with pytest.raises(DataError, match=r"could not read .*corpus/train.jsonl of the dataset folder"):
             load_pairs(DataConfig(dataset=str(folder), source="de", target="en"), "train")
     finally:
         datasets.logging.set_verbosity(quiet)

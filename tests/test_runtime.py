@@ -114,7 +114,7 @@ def test_resuming_reads_trainer_state_without_running_code_from_it(tmp_path):
 
 def test_matmul_peak_leaves_the_runs_random_numbers_alone():
     """Measured at a run's start: drawing its matrices from the global generator would change the run."""
-    from tformer_cli.runtime import matmul_peak
+    from tformer_cli.devices import matmul_peak
 
     matmul_peak.cache_clear()
     torch.manual_seed(0)
@@ -128,7 +128,7 @@ def test_resident_memory_and_its_peak_since_a_reset():
     import mmap
     import os
 
-    from tformer_cli.runtime import memory_mib, reset_peak_memory, resident_mib
+    from tformer_cli.devices import memory_mib, reset_peak_memory, resident_mib
 
     if resident_mib() is None:
         pytest.skip("no /proc: not Linux")

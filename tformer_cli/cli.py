@@ -112,8 +112,8 @@ def train(
     """
     try:  # a signal here (torch loads for seconds) is answered like one during training
         from tformer_cli import parallel
+        from tformer_cli.devices import resolve_device
         from tformer_cli.render import TrainProgress, print_json
-        from tformer_cli.runtime import resolve_device
         from tformer_cli.runs import prepare_run
         from tformer_cli.train import train as run_training
 
@@ -181,9 +181,10 @@ def inspect_attention(
       tformer inspect-attention runs/demo "twenty-one" --kind encoder --save attention.png
     """
     from tformer_cli.introspect import capture_attention, maps_to_json, select_maps
+    from tformer_cli.devices import resolve_device
     from tformer_cli.render import console, print_json
     from tformer_cli.render_attention import print_maps, save_image
-    from tformer_cli.runtime import load_run, resolve_device
+    from tformer_cli.runtime import load_run
 
     check_image_name("--save", save)
     check_text("SOURCE", source)

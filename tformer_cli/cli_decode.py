@@ -94,10 +94,10 @@ def eval_command(
 
     from tformer_cli.accel import check_mode
     from tformer_cli.decoding import DecodeOptions
+    from tformer_cli.devices import resolve_device
     from tformer_cli.evaluation import evaluate_run
     from tformer_cli.files import write_text_atomic
     from tformer_cli.render import eval_table, print_json
-    from tformer_cli.runtime import resolve_device
 
     check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_samples=max_samples,
                          length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram,
@@ -188,8 +188,9 @@ def generate(
     from tformer_cli.accel import check_mode
     from tformer_cli.ctranslate2_engine import CTranslate2Engine, check_engine
     from tformer_cli.decoding import DecodeOptions, sentences_per_batch, translate
+    from tformer_cli.devices import resolve_device
     from tformer_cli.render import generation_lines, warn
-    from tformer_cli.runtime import load_ensemble, resolve_device
+    from tformer_cli.runtime import load_ensemble
 
     check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, epsilon=epsilon,

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from tformer_cli.config import Config, load_config
 from tformer_cli.data import absolute_paths
+from tformer_cli.devices import resolve_device
 from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.run_folder import CONFIG, MARKER, WEIGHTS, check_not_held, foreign_files, is_marked
-from tformer_cli.runtime import resolve_device, step_checkpoints
+from tformer_cli.runtime import step_checkpoints
 
 
 def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[str], output_dir: Path | None,

@@ -23,6 +23,7 @@ import torch
 from tformer_cli.accel import build_decoding_kernels, build_kernels
 from tformer_cli.batching import collate, token_batches
 from tformer_cli.config import Config, DecodeConfig, TrainConfig
+from tformer_cli.devices import autocast, matmul_peak, memory_mib, resolve_device, slow_precision
 from tformer_cli.encoding import EncodedSplit, resegment
 from tformer_cli.errors import CheckpointError, DivergedError, Interrupted, UsageError
 from tformer_cli.evaluation import Seq2SeqLoss, evaluate_loss, label_smoothed_loss, validation_rows
@@ -31,9 +32,7 @@ from tformer_cli.parallel import Workers, gathered, gradient_sync, local, optimi
 from tformer_cli.params import train_flops_per_token
 from tformer_cli.run_folder import CHECKPOINTS, WEIGHTS, holding
 from tformer_cli.run_setup import Callback, MetricsLog, Setup, TrainState
-from tformer_cli.runtime import (
-    autocast, matmul_peak, memory_mib, resolve_device, rng_state, save_checkpoint, save_run_files, save_weights,
-    slow_precision, step_checkpoints)
+from tformer_cli.runtime import rng_state, save_checkpoint, save_run_files, save_weights, step_checkpoints
 from tformer_cli.tensorboard import check_available as check_tensorboard
 
 
