@@ -1,4 +1,5 @@
-"""Run folders for ``tformer train``: the config of a new or resumed run, and what a resume may change.
+"""Run folders for ``tformer train``: the config of a new or resumed run, what a resume may change, and
+how a signal stops a run so that it resumes exactly.
 
 A new run refuses to replace an old one unless told (``--overwrite``), and never deletes a folder
 that tformer did not make or a file it did not write (``run_folder.py``); a resumed run keeps its
@@ -11,12 +12,16 @@ import shlex
 import shutil
 import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from tformer_cli.config import Config, load_config
 from tformer_cli.data import absolute_paths
 from tformer_cli.devices import resolve_device
-from tformer_cli.errors import CheckpointError, UsageError
+from tformer_cli.errors import CheckpointError, Interrupted, UsageError
 from tformer_cli.run_folder import CONFIG, MARKER, WEIGHTS, check_not_held, foreign_files, is_marked
 from tformer_cli.runtime import step_checkpoints
 
@@ -93,6 +98,45 @@ def _refuse_fixed_changes(saved: Config, config: Config) -> None:
         if before != after:
             raise UsageError(f"--set {section}.{key}={after}: a resumed run keeps its {section}.{key} ({before}); "
                              "start a new run (tformer train CONFIG) to change it")
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM. During setup they stop at once (``Interrupted``); between steps the
+    step under way finishes and is checkpointed first, so that the saved random state is the one the
+    next step starts from and a resume continues exactly. A second signal stops at once."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    @contextmanager
+    def during_setup(self) -> Iterator[None]:
+        with self._handling(self._stop_now):
+            yield
+
+    @contextmanager
+    def between_steps(self) -> Iterator[None]:
+        with self._handling(self._note):
+            yield
+
+    def _stop_now(self, signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            raise Interrupted(signum)
+        self.received = signum
+
+    @contextmanager
+    def _handling(self, handler) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # Python delivers signals to it alone
+            yield
+            return
+        previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for signum, old in previous.items():
+                signal.signal(signum, old)
 
 
 def stop_message(signum: int, run_dir: Path | None) -> str:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import signal
-import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
@@ -21,17 +19,18 @@ from typing import Any
 import torch
 
 from tformer_cli.accel import build_decoding_kernels, build_kernels
-from tformer_cli.batching import collate, token_batches
+from tformer_cli.batching import Batch, collate, token_batches
 from tformer_cli.config import Config, DecodeConfig, TrainConfig
 from tformer_cli.devices import autocast, matmul_peak, memory_mib, resolve_device, slow_precision
 from tformer_cli.encoding import EncodedSplit, resegment
-from tformer_cli.errors import CheckpointError, DivergedError, Interrupted, UsageError
+from tformer_cli.errors import CheckpointError, DivergedError, UsageError
 from tformer_cli.evaluation import Seq2SeqLoss, evaluate_loss, label_smoothed_loss, validation_rows
 from tformer_cli.optim import cosine_horizon, learning_rate
 from tformer_cli.parallel import Workers, gathered, gradient_sync, local, optimizer_state
 from tformer_cli.params import train_flops_per_token
 from tformer_cli.run_folder import CHECKPOINTS, WEIGHTS, holding
 from tformer_cli.run_setup import Callback, MetricsLog, Setup, TrainState
+from tformer_cli.runs import StopSignals
 from tformer_cli.runtime import rng_state, save_checkpoint, save_run_files, save_weights, step_checkpoints
 from tformer_cli.tensorboard import check_available as check_tensorboard
 
@@ -64,10 +63,10 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
         check_tensorboard()  # before any data is loaded
     device = resolve_device(cfg.device)
     resume = resume and bool(step_checkpoints(run_dir))  # a run stopped before its first checkpoint starts anew
-    signals = _StopSignals()
+    signals = StopSignals()
     with signals.during_setup():
         setup = Setup(config, run_dir, resume, device, notify, workers)
-    model, optimizer, state, data = setup.model, setup.optimizer, setup.state, _epoch_split(setup)
+    model, state, data = setup.model, setup.state, _epoch_split(setup)
     if state.processes != workers.size:  # resumed by another number of processes: same place in the epoch
         state.batch_in_epoch = math.ceil(state.batch_in_epoch * state.processes / workers.size)
         state.processes = workers.size
@@ -75,7 +74,6 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     slow = slow_precision(device, cfg.precision)
     if slow:
         notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
-    scaler = setup.scaler
     batches = _batches(data, cfg, state.epoch, workers)  # this epoch's (seconds on a WMT-sized corpus)
     first_epoch = batches if state.epoch == 0 else _batches(data, cfg, 0, workers)
     steps_per_epoch = math.ceil(len(first_epoch) / cfg.grad_accum)
@@ -103,30 +101,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
                 if stop:
                     stop_reason = "interrupted"
                     break
-                if not workers.main:  # dropout masks of their own, drawn so that a resumed run draws them again
-                    torch.manual_seed(cfg.seed + 1_000_003 * workers.rank + state.step)
-                nll_sum = torch.zeros((), device=device)  # summed on the device: no sync per batch
-                for i, batch in enumerate(group):
-                    # gradients are synced across processes in the last micro-batch's backward only
-                    with workers.together(), gradient_sync(trainer, last=i == len(group) - 1):
-                        with amp:  # forward + loss
-                            loss, nll = trainer(batch.to(device))
-                        # DDP and FSDP average over processes; the loss is normalised by all their tokens
-                        scaler.scale(loss * (workers.size / group_tokens)).backward()  # backward
-                    nll_sum += nll
-                scaler.unscale_(optimizer)
-                if cfg.clip_grad_norm:  # clip; under FSDP the norm of the sharded gradients is a collective
-                    with workers.together():
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-                horizon = cosine_horizon(cfg, total_steps, state.step, state.elapsed) if cfg.schedule == "cosine" else None
-                lr = learning_rate(state.step + 1, cfg, config.model.d_model, horizon)  # schedule
-                for param_group in optimizer.param_groups:
-                    param_group["lr"] = lr
-                scaler.step(optimizer)  # step
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                if setup.ema is not None:
-                    setup.ema.update()
+                nll_sum, lr = _step(setup, trainer, group, group_tokens, total_steps, amp)
                 state.step += 1
                 state.batch_in_epoch += len(group)
                 state.target_tokens += group_tokens
@@ -156,6 +131,41 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     setup.log.close()
     notify("end", {"state": asdict(state), "stop_reason": stop_reason, "last_eval": last_eval})
     return TrainResult(run_dir, state, stop_reason, last_eval, signals.received)
+
+
+def _step(setup: Setup, trainer: torch.nn.Module, group: list[Batch], group_tokens: int, total_steps: int | None,
+          amp) -> tuple[torch.Tensor, float]:
+    """One optimizer step over ``group``, ``train.grad_accum`` batches whose gradients add up: forward,
+    loss and backward of each, then clipping, the schedule's learning rate and the update. Returns the
+    group's summed NLL (on the device: no sync) and the learning rate. ``group_tokens``: the target
+    tokens of every process's group, which the loss is normalised by."""
+    cfg, workers, state = setup.config.train, setup.workers, setup.state
+    optimizer, scaler = setup.optimizer, setup.scaler
+    if not workers.main:  # dropout masks of their own, drawn so that a resumed run draws them again
+        torch.manual_seed(cfg.seed + 1_000_003 * workers.rank + state.step)
+    nll_sum = torch.zeros((), device=setup.device)  # summed on the device: no sync per batch
+    for i, batch in enumerate(group):
+        # gradients are synced across processes in the last micro-batch's backward only
+        with workers.together(), gradient_sync(trainer, last=i == len(group) - 1):
+            with amp:  # forward + loss
+                loss, nll = trainer(batch.to(setup.device))
+            # DDP and FSDP average over processes; the loss is normalised by all their tokens
+            scaler.scale(loss * (workers.size / group_tokens)).backward()  # backward
+        nll_sum += nll
+    scaler.unscale_(optimizer)
+    if cfg.clip_grad_norm:  # clip; under FSDP the norm of the sharded gradients is a collective
+        with workers.together():
+            torch.nn.utils.clip_grad_norm_(setup.model.parameters(), cfg.clip_grad_norm)
+    horizon = cosine_horizon(cfg, total_steps, state.step, state.elapsed) if cfg.schedule == "cosine" else None
+    lr = learning_rate(state.step + 1, cfg, setup.config.model.d_model, horizon)  # schedule
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = lr
+    scaler.step(optimizer)  # step
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if setup.ema is not None:
+        setup.ema.update()
+    return nll_sum, lr
 
 
 def _epoch_split(setup: Setup) -> EncodedSplit:
@@ -232,45 +242,6 @@ def _check_finite(model: torch.nn.Module, step: int, workers: Workers, loss: flo
     raise DivergedError(f"training diverged at step {step}: the weights are no longer finite{logged}; the "
                         "checkpoints saved before are kept: resume from the last with a lower train.lr "
                         "(tformer train --resume RUN --set train.lr=...), or set train.clip_grad_norm")
-
-
-class _StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM. During setup they stop at once (``Interrupted``); between steps the
-    step under way finishes and is checkpointed first, so that the saved random state is the one the
-    next step starts from and a resume continues exactly. A second signal stops at once."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-
-    @contextmanager
-    def during_setup(self):
-        with self._handling(self._stop_now):
-            yield
-
-    @contextmanager
-    def between_steps(self):
-        with self._handling(self._note):
-            yield
-
-    def _stop_now(self, signum: int, frame: Any) -> None:
-        raise Interrupted(signum)
-
-    def _note(self, signum: int, frame: Any) -> None:
-        if self.received is not None:
-            raise Interrupted(signum)
-        self.received = signum
-
-    @contextmanager
-    def _handling(self, handler):
-        if threading.current_thread() is not threading.main_thread():  # Python delivers signals to it alone
-            yield
-            return
-        previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for signum, old in previous.items():
-                signal.signal(signum, old)
 
 
 def _total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
