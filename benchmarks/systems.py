@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -198,11 +199,12 @@ class Tformer(System):
 
         self.model.eval()
         options = DecodeOptions(beam_size=beams, max_len_a=0, max_len_b=new_tokens, min_len=new_tokens)
-        if HOLD_FOR_DECODING and held_in_bf16(src.device, PRECISION, ACCEL):
+        held = HOLD_FOR_DECODING and held_in_bf16(src.device, PRECISION, ACCEL)
+        if held:
             self.model.to(torch.bfloat16)
-            with torch.autocast(src.device.type, enabled=False):  # the suite's autocast: not for a bf16 model
-                return decode_batch(self.model, src, options)
-        return decode_batch(self.model, src, options)
+        # the suite's autocast is not for a model held in bf16
+        with torch.autocast(src.device.type, enabled=False) if held else nullcontext():
+            return decode_batch(self.model, src, options)
 
     def greedy(self, src, new_tokens):
         return self._decode(src, new_tokens, 1)
