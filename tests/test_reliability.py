@@ -256,3 +256,19 @@ def test_resume_refuses_a_folder_that_tformer_train_did_not_start(tmp_path, trai
     assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1
     assert "not a run that tformer train started" in result.stderr and "--output-dir NEW_FOLDER" in result.stderr
     assert {p.name: p.read_bytes() for p in average.iterdir()} == before
+
+
+def test_an_average_inside_a_run_goes_where_overwrite_knows_it(tmp_path, trained_run):
+    import shutil
+
+    from tformer_cli.run_folder import foreign_files
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    for elsewhere in (run / "mine", run / "checkpoints", run / "checkpoints" / "best2"):
+        result = runner.invoke(app, ["average", str(run), "--last", "2", "--output", str(elsewhere)])
+        assert result.exit_code == 1 and f"an average goes to {run / 'checkpoints'}/average-NAME" in result.stderr
+    assert foreign_files(run) == []
+    named = runner.invoke(app, ["average", str(run), "--last", "2", "--output", str(run / "checkpoints" / "average-mine")])
+    assert named.exit_code == 0, named.output
+    assert foreign_files(run) == []  # so --overwrite may replace the run, the average with it

@@ -17,7 +17,7 @@ def test_averaging_two_checkpoints_gives_the_element_wise_mean(tmp_path):
         save_checkpoint(tmp_path, step, model, {"state": {}}, keep_last=5)
     (tmp_path / "config.yaml").write_text("model: {}\n")  # the run folder's files, copied beside an average outside it
     (tmp_path / "tokenizer.json").write_text("{}")
-    folder = average_checkpoints(step_checkpoints(tmp_path), tmp_path / "avg", tmp_path)
+    folder = average_checkpoints(step_checkpoints(tmp_path), tmp_path / "checkpoints" / "average-2", tmp_path)
     averaged = build_model(tiny_model_config(), 30)
     load_weights(averaged, folder / "model.safetensors")
     for (name, a), b, c in zip(averaged.state_dict().items(), models[0].state_dict().values(),

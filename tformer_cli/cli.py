@@ -211,8 +211,8 @@ def average(
                     typer.Option(help="Average the N checkpoints with the best validation metric.")] = None,
     metric: Annotated[str, typer.Option(help="loss | bleu, for --best.")] = "loss",
     output: Annotated[Optional[Path], typer.Option(
-        help="Folder (default RUN/checkpoints/average-last-N); outside RUN it also gets the run's config and "
-             "tokenizer.")] = None,
+        help="Folder (default RUN/checkpoints/average-last-N): inside RUN, RUN/checkpoints/average-NAME; outside "
+             "RUN it also gets the run's config and tokenizer.")] = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Average checkpoint weights into a new checkpoint that eval and generate accept.

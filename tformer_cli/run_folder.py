@@ -25,7 +25,8 @@ TRAINER = "trainer.pt"  # optimizer, step, data position, RNG state
 TENSORBOARD = "tensorboard"  # TensorBoard's event files, under train.tensorboard
 _TOP = {MARKER, CONFIG, WEIGHTS, METRICS, JOINT_FILE, SOURCE_FILE, TARGET_FILE, "curves.png"}
 _CHECKPOINT_FILES = {WEIGHTS, TRAINER}
-_CHECKPOINT_FOLDER = re.compile(r"step-\d{8}|ema|average-[\w.-]+")
+_AVERAGE_FOLDER = re.compile(r"average-[\w.-]+")
+_CHECKPOINT_FOLDER = re.compile(rf"step-\d{{8}}|ema|{_AVERAGE_FOLDER.pattern}")
 _EVENT_FILE = re.compile(r"events\.out\.tfevents\.[\w.-]+")
 _WRITERS_TEMPORARY = re.compile(r"\.tmp\w{6,}")  # safetensors' own, beside a file it was killed writing
 
@@ -99,6 +100,13 @@ def is_run_file(path: Path) -> bool:
     if (folder / CONFIG).is_file() or is_marked(folder):
         return path.name in _TOP
     return folder.parent.name == CHECKPOINTS and path.name in _CHECKPOINT_FILES
+
+
+def is_average_folder(folder: Path, run_dir: Path) -> bool:
+    """Whether ``folder`` is where an average of ``run_dir``'s checkpoints goes inside the run:
+    RUN/checkpoints/average-NAME, which ``--overwrite`` and ``train.keep_last`` know as tformer's."""
+    return (_AVERAGE_FOLDER.fullmatch(folder.name) is not None
+            and folder.parent.resolve() == (Path(run_dir) / CHECKPOINTS).resolve())
 
 
 def remove_checkpoint(folder: Path) -> None:

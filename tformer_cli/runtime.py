@@ -33,7 +33,8 @@ from tformer_cli.config import Config, load_config, to_yaml
 from tformer_cli.ensemble import Ensemble
 from tformer_cli.errors import CheckpointError, UsageError, first_line
 from tformer_cli.files import read_jsonl, replacing, write_text_atomic
-from tformer_cli.run_folder import CHECKPOINTS, CONFIG, METRICS, TRAINER, WEIGHTS, mark_run_folder, remove_checkpoint
+from tformer_cli.run_folder import (
+    CHECKPOINTS, CONFIG, METRICS, TRAINER, WEIGHTS, is_average_folder, mark_run_folder, remove_checkpoint)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 
@@ -275,6 +276,9 @@ def average_checkpoints(checkpoints: list[Path], output: Path, run_dir: Path) ->
     if standalone and owner not in (None, output):
         raise UsageError(f"--output {output}: inside another run folder ({owner}), whose config and tokenizer "
                          f"would go with these weights; pick a folder inside {run_dir} or outside any run")
+    if not standalone and not is_average_folder(output, run_dir):
+        raise UsageError(f"--output {output}: inside the run folder, an average goes to "
+                         f"{Path(run_dir) / CHECKPOINTS}/average-NAME; or pick a folder outside the run")
     # a standalone average's files may be replaced by the same bytes (an earlier average's), nothing else
     clashes = [name for name in run_files if standalone and (output / name).exists()
                and (output / name).read_bytes() != (Path(run_dir) / name).read_bytes()]
