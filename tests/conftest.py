@@ -48,6 +48,33 @@ def tiny_model_config(**overrides):
     return ModelConfig(**values)
 
 
+def train_step(model, model_config, device="cpu", **train):
+    """``tformer train``'s own optimizer step (``train._step``) for ``model``, set up as training sets it
+    up (the objective module, ``make_optimizer``, the gradient scaler, one process) but without data or
+    a run folder: a function of one host ``Batch`` that steps and counts the step, as the loop does."""
+    from types import SimpleNamespace
+
+    import tformer_cli.train as training
+    from tformer_cli.config import Config, TrainConfig
+    from tformer_cli.devices import autocast
+    from tformer_cli.evaluation import Seq2SeqLoss
+    from tformer_cli.optim import make_optimizer
+    from tformer_cli.parallel import Workers
+    from tformer_cli.run_setup import TrainState
+
+    device, cfg = torch.device(device), TrainConfig(**train)
+    setup = SimpleNamespace(config=Config(model=model_config, train=cfg), workers=Workers(), state=TrainState(),
+                            optimizer=make_optimizer(model, cfg, device), device=device, model=model, ema=None,
+                            scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"))
+    trainer = Seq2SeqLoss(model, cfg.label_smoothing, cfg.rdrop).train()
+
+    def step(batch):
+        training._step(setup, trainer, [batch], batch.num_tokens, None, autocast(device, cfg.precision))
+        setup.state.step += 1
+
+    return step
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, _cache):
     """A tiny run trained once through the CLI, for the tests of eval, generate and inspect-attention."""

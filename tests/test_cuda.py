@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import conftest
 from conftest import tiny_model_config, write_config
 from tformer_cli.config import load_config
 from tformer_cli.decoding import DecodeOptions, beam_search, decode_batch, greedy_or_sample
@@ -171,28 +172,22 @@ def test_eval_in_bf16_on_cuda_holds_the_model_in_bf16_and_keeps_its_loss(trained
 
 
 def test_a_training_step_on_cuda_never_waits_for_the_gpu():
-    """The batch's copy, forward, the loss over real tokens, backward, clipping and the fused AdamW step
-    queue kernels without waiting for the GPU: the host stays ahead of it from one step to the next."""
+    """train's optimizer step (the batch's copy, forward, the loss over real tokens, backward, clipping,
+    the schedule and the fused AdamW update) queues kernels without waiting for the GPU: the host stays
+    ahead of it from one step to the next."""
     from tformer_cli.accel import accelerate
-    from tformer_cli.config import TrainConfig
     from tformer_cli.batching import Batch
-    from tformer_cli.evaluation import label_smoothed_loss
-    from tformer_cli.optim import make_optimizer
 
-    model = accelerate(build_model(tiny_model_config(), 40).cuda(), "cuda")
-    optimizer = make_optimizer(model, TrainConfig(), torch.device("cuda"))
+    config = tiny_model_config()
+    model = accelerate(build_model(config, 40).cuda(), "cuda")
+    train_step = conftest.train_step(model, config, "cuda", precision="bf16", clip_grad_norm=1.0, label_smoothing=0.1)
     # copies of a real step's size (250 KB a tensor): small ones go through CUDA's command queue anyway
     src, tgt = torch.randint(4, 40, (512, 60)), torch.randint(4, 40, (512, 61))
     tgt[::3, 40:] = tgt[1::5, 20:] = 0  # padding, so that the real tokens are a selection
     host = Batch(src, tgt[:, :-1], tgt[:, 1:], list(range(512)))
 
     def step():
-        with torch.autocast("cuda", torch.bfloat16):
-            loss, _ = label_smoothed_loss(model, host.to("cuda"), 0.1)
-        (loss / host.num_tokens).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(host)
 
     step()  # the first step creates the optimizer's state
     torch.cuda._sleep(2_000_000_000)  # about a second of work queued ahead of the step

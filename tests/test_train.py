@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model_config, write_config
+from conftest import tiny_model_config, train_step, write_config
 from tformer_cli.batching import Batch, token_batches
 from tformer_cli.config import load_config
 from tformer_cli.errors import CheckpointError, UsageError
@@ -18,6 +18,36 @@ from tformer_cli.parallel import Workers
 from tformer_cli.runtime import load_run, step_checkpoints
 from tformer_cli.runs import prepare_run
 from tformer_cli.train import train
+
+
+def test_a_training_step_is_the_loss_backward_clipping_the_schedule_and_adam():
+    """train's optimizer step against the step written out: the label-smoothed loss over the batch's
+    target tokens, backward, the gradient norm clipped, the schedule's learning rate, Adam's update."""
+    import copy
+
+    from tformer_cli.config import TrainConfig
+    from tformer_cli.optim import make_optimizer
+
+    config = tiny_model_config()
+    ours = build_model(config, 40)
+    reference = copy.deepcopy(ours).train()
+    settings = dict(lr=2.0, schedule="inverse_sqrt", warmup_steps=3, clip_grad_norm=0.5, label_smoothing=0.1)
+    step, optimizer = train_step(ours, config, **settings), make_optimizer(reference, TrainConfig(**settings), "cpu")
+    generator = torch.Generator().manual_seed(0)
+    for number in range(1, 4):
+        src, tgt = torch.randint(4, 40, (6, 9), generator=generator), torch.randint(4, 40, (6, 8), generator=generator)
+        tgt[::2, 5:] = 0  # padding: the loss is over real tokens only
+        batch = Batch(src, tgt[:, :-1], tgt[:, 1:], list(range(6)))
+        step(batch)
+        loss, _ = label_smoothed_loss(reference, batch, 0.1)
+        (loss / batch.num_tokens).backward()
+        assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5) > 0.5  # the clipping acts
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(number, TrainConfig(**settings), config.d_model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
 
 
 def test_cosine_bounded_by_epochs_reaches_min_lr_on_the_last_step(tmp_path):
