@@ -134,6 +134,11 @@ def test_inspect_attention_cli(trained_run, tmp_path):
                               "decoder", "--layer", "1", "--json"])
     data = json.loads(raw.stdout)
     assert data["kind"] == "decoder" and data["row_tokens"][0] == "<s>" and len(data["maps"]) == 1
+    assert raw.stderr == ""
+    unspellable = runner.invoke(app, ["inspect-attention", str(trained_run), "seven", "--target", "sieben €", "--json"])
+    assert unspellable.exit_code == 0 and "<unk>" in json.loads(unspellable.stdout)["row_tokens"]
+    assert unspellable.stderr.strip() == ("warning: --target: the run's target vocabulary has no token for '€'; the "
+                                          "maps show <unk> there")
     bad = runner.invoke(app, ["inspect-attention", str(trained_run), "seven", "--layer", "5"])
     assert bad.exit_code == 1 and "--layer 5: out of range; the model has 1 layers" in bad.output
     bad = runner.invoke(app, ["inspect-attention", str(trained_run), "seven", "--kind", "self"])

@@ -180,9 +180,9 @@ def inspect_attention(
       tformer inspect-attention runs/demo "three hundred forty-two" --layer 2 --head all
       tformer inspect-attention runs/demo "twenty-one" --kind encoder --save attention.png
     """
-    from tformer_cli.introspect import capture_attention, maps_to_json, select_maps
     from tformer_cli.devices import resolve_device
-    from tformer_cli.render import console, print_json
+    from tformer_cli.introspect import capture_attention, maps_to_json, select_maps
+    from tformer_cli.render import console, print_json, warn
     from tformer_cli.render_attention import print_maps, save_image
     from tformer_cli.runtime import load_run
 
@@ -190,6 +190,9 @@ def inspect_attention(
     check_text("SOURCE", source)
     check_text("--target", target)
     loaded = load_run(run, resolve_device(device or "auto"))
+    unknown = loaded.vocab.unknown_target_characters(target) if target else ""
+    if unknown:
+        warn(f"--target: the run's target vocabulary has no token for {unknown!r}; the maps show <unk> there")
     capture = capture_attention(loaded.model, loaded.vocab, source, target)
     maps = select_maps(capture, kind, layer, head)
     if save is not None:
