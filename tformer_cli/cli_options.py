@@ -33,7 +33,8 @@ BatchOpt = Annotated[Optional[int], typer.Option(help="Sentences per batch (defa
                                                  rich_help_panel=ADVANCED)]
 AlphaOpt = Annotated[Optional[float], typer.Option(help="GNMT length penalty alpha.", rich_help_panel=ADVANCED)]
 AccelOpt = Annotated[str, typer.Option(
-    help="auto | off: tformer's speed layer (faster CPU kernels), or the plain model.", rich_help_panel=ADVANCED)]
+    help="auto | off: tformer's speed layer (faster CPU kernels; on GPUs, decoding as CUDA graphs with the model "
+         "held in bf16 under --precision bf16), or the plain model.", rich_help_panel=ADVANCED)]
 PrecisionOpt = Annotated[str, typer.Option(
     help="fp32 | bf16 | fp16: autocast while decoding (bf16 is fast on GPUs and on CPUs with AVX-512 BF16 or AMX); "
          "int8: int8 weights on a CPU.", rich_help_panel=ADVANCED)]
