@@ -61,6 +61,22 @@ def test_jsonl_csv_parquet_and_gzip_give_the_same_pairs(tmp_path):
         assert load_pairs(cfg, "train") == expected, name
 
 
+def test_tab_separated_pairs_with_or_without_a_header(tmp_path):
+    rows = [*ROWS, {"de": 'er sagte "ja"', "en": 'he said "yes"'}, {"de": "42", "en": "42"}]  # quotes are text
+    lines = [f"{r['de']}\t{r['en']}\tCC-BY 2.0 (France) Attribution: tatoeba.org\n" for r in rows]
+    (tmp_path / "plain.tsv").write_text("".join(lines))
+    (tmp_path / "header.tsv").write_text("de\ten\n" + "".join(lines))
+    with gzip.open(tmp_path / "plain.tsv.gz", "wt") as f:
+        f.write("".join(lines))
+    expected = [(r["de"], r["en"]) for r in rows]
+    for files in (["plain.tsv"], ["header.tsv"], ["plain.tsv.gz"], ["header.tsv", "plain.tsv"]):
+        cfg = DataConfig(data_files={"train": [str(tmp_path / f) for f in files]}, source="de", target="en")
+        assert load_pairs(cfg, "train") == expected * len(files), files
+    (tmp_path / "pairs.data").write_text("".join(lines))
+    assert load_pairs(DataConfig(data_files={"train": str(tmp_path / "pairs.data")}, format="tsv", source="de",
+                                 target="en"), "train") == expected
+
+
 def test_parallel_text_files_and_nested_fields(tmp_path):
     (tmp_path / "train.de").write_text("".join(r["de"] + "\n" for r in ROWS))
     (tmp_path / "train.en").write_text("".join(r["en"] + "\n" for r in ROWS))

@@ -2,12 +2,13 @@
 a local dataset folder or data files, with one-line errors for whatever cannot be read.
 
 ``data.dataset`` is a hub id or a local dataset folder; ``data.data_files`` maps splits to files
-(json/jsonl, csv, parquet, or a [source, target] pair of plain-text files; .gz allowed). The pairs are
+(json/jsonl, csv, tsv, parquet, or a [source, target] pair of plain-text files; .gz allowed). The pairs are
 tokenised and cached by ``encoding.py`` and batched by ``batching.py``.
 """
 
 from __future__ import annotations
 
+import gzip
 import os
 import socket
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from urllib.parse import urlparse
 from tformer_cli.config import DataConfig
 from tformer_cli.errors import DataError, first_line
 
-FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".txt": "text"}
 READ_CHUNK = 100_000  # pairs made Python strings at a time, so that a split of millions never is at once
 
 
@@ -77,7 +78,8 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
         if not cfg.data_files:
             pairs = _columns(_load_named(cfg.dataset, cfg.subset, split), cfg, where)
         else:
-            pairs = _text_pairs(files, where) if fmt == "text" else _columns(_load_files(fmt, files), cfg, where)
+            pairs = _text_pairs(files, where) if fmt == "text" else _tsv_pairs(files, cfg, where) if fmt == "tsv" \
+                else _columns(_load_files(fmt, files), cfg, where)
     except UnicodeDecodeError as exc:
         raise _not_utf8(where, exc) from None
     if not len(pairs):
@@ -126,8 +128,8 @@ def _format_of(files: list[str]) -> str:
         return formats[0]
     if len(files) == 2 and not any(formats):
         return "text"
-    raise DataError(f"cannot tell the format of '{files[0]}' from its extension; name it .jsonl, .csv, .parquet or "
-                    ".txt, or set data.format to json, csv, parquet or text")
+    raise DataError(f"cannot tell the format of '{files[0]}' from its extension; name it .jsonl, .csv, .tsv, .parquet "
+                    "or .txt, or set data.format to json, csv, tsv, parquet or text")
 
 
 def _check_files(files: list[str]) -> None:
@@ -139,7 +141,8 @@ def _check_files(files: list[str]) -> None:
             raise DataError(f"{path}: the file is empty; point data.data_files (or --data-files) at the data")
 
 
-def _load_files(fmt: str, files: list[str]):
+def _load_files(fmt: str, files: list[str], **options: Any):
+    """``files`` as one ``datasets`` table, read by its ``fmt`` loader with ``options``."""
     import datasets
 
     _check_files(files)
@@ -147,7 +150,7 @@ def _load_files(fmt: str, files: list[str]):
     failed: list[str] = []
     try:
         with _datasets_errors(failed):
-            return datasets.load_dataset(fmt, data_files={"split": files}, split="split")
+            return datasets.load_dataset(fmt, data_files={"split": files}, split="split", **options)
     except Exception as exc:  # datasets raises many kinds for unreadable files, the cause chained inside
         cause = _root_cause(exc)
         if isinstance(cause, UnicodeDecodeError):
@@ -205,6 +208,31 @@ def _text_pairs(files: list[str], where: str) -> ArrowPairs:
         raise DataError(f"parallel files differ in length: {files[0]} has {len(source)} lines, "
                         f"{files[1]} has {len(target)}")
     return ArrowPairs(source, target, "text", "text", where)
+
+
+def _tsv_pairs(files: list[str], cfg: DataConfig, where: str) -> ArrowPairs:
+    """Tab-separated pairs, one a line: the source, a tab, the target (further columns, such as
+    Tatoeba's attribution, ignored; quotes are text). A first line that names the two languages
+    (``en<TAB>de``, data.source and data.target) is a header."""
+    import csv
+
+    import datasets
+
+    _check_files(files)
+    names = [cfg.source, cfg.target]
+    strings = datasets.Features({name: datasets.Value("string") for name in names})
+    tables = [_load_files("csv", [file], sep="\t", header=0 if _first_fields(file) == names else None,
+                          column_names=names, usecols=[0, 1], quoting=csv.QUOTE_NONE, na_filter=False,
+                          features=strings) for file in files]
+    pairs = datasets.concatenate_datasets(tables)
+    return ArrowPairs(pairs, pairs, cfg.source, cfg.target, where)
+
+
+def _first_fields(path: str) -> list[str]:
+    """The first two tab-separated fields of a text file's first line (gzip or plain)."""
+    with (gzip.open(path, "rt", encoding="utf-8", errors="replace") if path.endswith(".gz")
+          else open(path, encoding="utf-8", errors="replace")) as f:
+        return f.readline().rstrip("\r\n").split("\t")[:2]
 
 
 def _load_named(name: str, subset: str | None, split: str):
