@@ -75,6 +75,14 @@ def test_tab_separated_pairs_with_or_without_a_header(tmp_path):
     (tmp_path / "pairs.data").write_text("".join(lines))
     assert load_pairs(DataConfig(data_files={"train": str(tmp_path / "pairs.data")}, format="tsv", source="de",
                                  target="en"), "train") == expected
+    folder = tmp_path / "corpus"  # a dataset folder of SPLIT.tsv files
+    folder.mkdir()
+    (tmp_path / "plain.tsv").rename(folder / "train.tsv")
+    (tmp_path / "header.tsv").rename(folder / "validation.tsv")
+    for split in ("train", "validation"):
+        assert load_pairs(DataConfig(dataset=str(folder), source="de", target="en"), split) == expected
+    with pytest.raises(DataError, match=r"has no test.tsv \(has: train.tsv, validation.tsv\)"):
+        load_pairs(DataConfig(dataset=str(folder), source="de", target="en"), "test")
 
 
 def test_parallel_text_files_and_nested_fields(tmp_path):

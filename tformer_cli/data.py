@@ -75,11 +75,12 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
         fmt = cfg.format if cfg.format != "auto" else _format_of(files)
     where = f"{', '.join(files) if cfg.data_files else cfg.dataset}: split '{split}'"
     try:
-        if not cfg.data_files:
-            pairs = _columns(_load_named(cfg.dataset, cfg.subset, split), cfg, where)
+        if cfg.data_files:
+            pairs = _file_pairs(files, fmt, cfg, where)
+        elif tsv := _tsv_split(cfg.dataset, split):  # datasets' folder loader would take a first line for a header
+            pairs = _tsv_pairs(tsv, cfg, where)
         else:
-            pairs = _text_pairs(files, where) if fmt == "text" else _tsv_pairs(files, cfg, where) if fmt == "tsv" \
-                else _columns(_load_files(fmt, files), cfg, where)
+            pairs = _columns(_load_named(cfg.dataset, cfg.subset, split), cfg, where)
     except UnicodeDecodeError as exc:
         raise _not_utf8(where, exc) from None
     if not len(pairs):
@@ -112,6 +113,14 @@ class ArrowPairs:
     def __iter__(self) -> Iterator[tuple[str, str]]:
         for start in range(0, self.size, READ_CHUNK):
             yield from self[start:start + READ_CHUNK]
+
+
+def _file_pairs(files: list[str], fmt: str, cfg: DataConfig, where: str) -> ArrowPairs:
+    if fmt == "text":
+        return _text_pairs(files, where)
+    if fmt == "tsv":
+        return _tsv_pairs(files, cfg, where)
+    return _columns(_load_files(fmt, files), cfg, where)
 
 
 def _not_utf8(where: str, exc: UnicodeDecodeError) -> DataError:
@@ -226,6 +235,19 @@ def _tsv_pairs(files: list[str], cfg: DataConfig, where: str) -> ArrowPairs:
                           features=strings) for file in files]
     pairs = datasets.concatenate_datasets(tables)
     return ArrowPairs(pairs, pairs, cfg.source, cfg.target, where)
+
+
+def _tsv_split(folder: str, split: str) -> list[str]:
+    """A local dataset folder's tab-separated file of ``split`` (SPLIT.tsv or SPLIT.tsv.gz), if it has
+    one; a folder of .tsv files without one for ``split`` is a one-line error."""
+    if not Path(folder).is_dir():
+        return []
+    found = [path for path in (Path(folder) / f"{split}.tsv", Path(folder) / f"{split}.tsv.gz") if path.is_file()]
+    others = sorted(path.name for path in Path(folder).glob("*.tsv*"))
+    if others and not found:
+        raise DataError(f"dataset folder '{folder}' has no {split}.tsv (has: {', '.join(others)}); add it, or set "
+                        "data.train_split / validation_split / test_split to the name of its file")
+    return [str(found[0])] if found else []
 
 
 def _first_fields(path: str) -> list[str]:
