@@ -66,10 +66,11 @@ def test_tab_separated_pairs_with_or_without_a_header(tmp_path):
     lines = [f"{r['de']}\t{r['en']}\tCC-BY 2.0 (France) Attribution: tatoeba.org\n" for r in rows]
     (tmp_path / "plain.tsv").write_text("".join(lines))
     (tmp_path / "header.tsv").write_text("de\ten\n" + "".join(lines))
+    (tmp_path / "excel.tsv").write_text("\ufeffde\ten\n" + "".join(lines))  # a byte-order mark before the header
     with gzip.open(tmp_path / "plain.tsv.gz", "wt") as f:
         f.write("".join(lines))
     expected = [(r["de"], r["en"]) for r in rows]
-    for files in (["plain.tsv"], ["header.tsv"], ["plain.tsv.gz"], ["header.tsv", "plain.tsv"]):
+    for files in (["plain.tsv"], ["header.tsv"], ["excel.tsv"], ["plain.tsv.gz"], ["header.tsv", "plain.tsv"]):
         cfg = DataConfig(data_files={"train": [str(tmp_path / f) for f in files]}, source="de", target="en")
         assert load_pairs(cfg, "train") == expected * len(files), files
     (tmp_path / "pairs.data").write_text("".join(lines))

@@ -252,8 +252,8 @@ def _tsv_split(folder: str, split: str) -> list[str]:
 
 def _first_fields(path: str) -> list[str]:
     """The first two tab-separated fields of a text file's first line (gzip or plain)."""
-    with (gzip.open(path, "rt", encoding="utf-8", errors="replace") if path.endswith(".gz")
-          else open(path, encoding="utf-8", errors="replace")) as f:
+    with (gzip.open(path, "rt", encoding="utf-8-sig", errors="replace") if path.endswith(".gz")
+          else open(path, encoding="utf-8-sig", errors="replace")) as f:  # -sig: a byte-order mark is not the header's
         return f.readline().rstrip("\r\n").split("\t")[:2]
 
 
