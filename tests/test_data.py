@@ -84,6 +84,11 @@ def test_tab_separated_pairs_with_or_without_a_header(tmp_path):
         assert load_pairs(DataConfig(dataset=str(folder), source="de", target="en"), split) == expected
     with pytest.raises(DataError, match=r"has no test.tsv \(has: train.tsv, validation.tsv\)"):
         load_pairs(DataConfig(dataset=str(folder), source="de", target="en"), "test")
+    mixed = tmp_path / "mixed"  # jsonl data and a stray .tsv: datasets reads the jsonl, as before .tsv was known
+    mixed.mkdir()
+    _jsonl(mixed / "train.jsonl", ROWS)
+    (mixed / "notes.tsv").write_text("a\tb\n")
+    assert load_pairs(DataConfig(dataset=str(mixed), source="de", target="en"), "train") == expected[:len(ROWS)]
 
 
 def test_parallel_text_files_and_nested_fields(tmp_path):

@@ -239,15 +239,19 @@ def _tsv_pairs(files: list[str], cfg: DataConfig, where: str) -> ArrowPairs:
 
 def _tsv_split(folder: str, split: str) -> list[str]:
     """A local dataset folder's tab-separated file of ``split`` (SPLIT.tsv or SPLIT.tsv.gz), if it has
-    one; a folder of .tsv files without one for ``split`` is a one-line error."""
+    one; a folder whose data is all .tsv files but has none for ``split`` is a one-line error. (A folder
+    with data in other formats is ``datasets``' to read, a stray .tsv file in it left alone.)"""
     if not Path(folder).is_dir():
         return []
     found = [path for path in (Path(folder) / f"{split}.tsv", Path(folder) / f"{split}.tsv.gz") if path.is_file()]
-    others = sorted(path.name for path in Path(folder).glob("*.tsv*"))
-    if others and not found:
-        raise DataError(f"dataset folder '{folder}' has no {split}.tsv (has: {', '.join(others)}); add it, or set "
+    if found:
+        return [str(found[0])]
+    formats = {path.name: FORMATS.get(Path(path.name.removesuffix(".gz")).suffix) for path in Path(folder).iterdir()}
+    tsv = sorted(name for name, fmt in formats.items() if fmt == "tsv")
+    if tsv and set(formats.values()) <= {"tsv", None}:
+        raise DataError(f"dataset folder '{folder}' has no {split}.tsv (has: {', '.join(tsv)}); add it, or set "
                         "data.train_split / validation_split / test_split to the name of its file")
-    return [str(found[0])] if found else []
+    return []
 
 
 def _first_fields(path: str) -> list[str]:
