@@ -65,11 +65,11 @@ def train_step(model, model_config, device="cpu", **train):
     device, cfg = torch.device(device), TrainConfig(**train)
     setup = SimpleNamespace(config=Config(model=model_config, train=cfg), workers=Workers(), state=TrainState(),
                             optimizer=make_optimizer(model, cfg, device), device=device, model=model, ema=None,
-                            scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"))
-    trainer = Seq2SeqLoss(model, cfg.label_smoothing, cfg.rdrop).train()
+                            scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
+                            trainer=Seq2SeqLoss(model, cfg.label_smoothing, cfg.rdrop).train())
 
     def step(batch):
-        training._step(setup, trainer, [batch], batch.num_tokens, None, autocast(device, cfg.precision))
+        training._step(setup, [batch], batch.num_tokens, None, autocast(device, cfg.precision))
         setup.state.step += 1
 
     return step

@@ -85,7 +85,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
-    trainer = setup.trainer.train()
+    setup.trainer.train()
     with signals.between_steps():
         while stop_reason is None:
             while state.batch_in_epoch < len(batches) and stop_reason is None:
@@ -101,7 +101,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
                 if stop:
                     stop_reason = "interrupted"
                     break
-                nll_sum, lr = _step(setup, trainer, group, group_tokens, total_steps, amp)
+                nll_sum, lr = _step(setup, group, group_tokens, total_steps, amp)
                 state.step += 1
                 state.batch_in_epoch += len(group)
                 state.target_tokens += group_tokens
@@ -133,14 +133,14 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     return TrainResult(run_dir, state, stop_reason, last_eval, signals.received)
 
 
-def _step(setup: Setup, trainer: torch.nn.Module, group: list[Batch], group_tokens: int, total_steps: int | None,
+def _step(setup: Setup, group: list[Batch], group_tokens: int, total_steps: int | None,
           amp) -> tuple[torch.Tensor, float]:
     """One optimizer step over ``group``, ``train.grad_accum`` batches whose gradients add up: forward,
     loss and backward of each, then clipping, the schedule's learning rate and the update. Returns the
     group's summed NLL (on the device: no sync) and the learning rate. ``group_tokens``: the target
     tokens of every process's group, which the loss is normalised by."""
     cfg, workers, state = setup.config.train, setup.workers, setup.state
-    optimizer, scaler = setup.optimizer, setup.scaler
+    trainer, optimizer, scaler = setup.trainer, setup.optimizer, setup.scaler
     if not workers.main:  # dropout masks of their own, drawn so that a resumed run draws them again
         torch.manual_seed(cfg.seed + 1_000_003 * workers.rank + state.step)
     nll_sum = torch.zeros((), device=setup.device)  # summed on the device: no sync per batch
