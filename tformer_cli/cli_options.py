@@ -56,8 +56,8 @@ def check_decoding_flags(**flags) -> None:
 
 def decoding_autocast(device, precision: str):
     """The --precision autocast context; warns when it would be slower than fp32 here."""
-    from tformer_cli.render import warn
     from tformer_cli.devices import autocast, slow_precision
+    from tformer_cli.render import warn
 
     if precision == "int8":  # int8 weights (runtime.load_run), no autocast
         if device.type != "cpu":
