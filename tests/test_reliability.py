@@ -248,6 +248,41 @@ def test_an_export_cut_short_leaves_no_folder_behind(tmp_path, trained_run, monk
     assert runner.invoke(app, ["export", str(trained_run), str(tmp_path / "hf")]).exit_code == 0  # nothing in its way
 
 
+def test_an_image_or_an_average_cut_short_by_a_full_disk_is_one_line_and_keeps_what_was_there(
+        tmp_path, trained_run, monkeypatch):
+    import matplotlib.figure
+    import safetensors.torch
+
+    def fills_the_disk(self, fname, **kwargs):
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError(28, "No space left on device")  # as PIL raises it: no file name, so no OSError handler
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", fills_the_disk)
+    earlier = tmp_path / "curves.png"
+    earlier.write_bytes(b"an earlier plot")
+    for command in (["plot", trained_run, "--output", earlier],
+                    ["inspect-attention", trained_run, "one", "--save", earlier]):
+        result = runner.invoke(app, list(map(str, command)))
+        assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
+        assert "No space left on device" in result.stderr and "free space on the disk" in result.stderr
+        assert earlier.read_bytes() == b"an earlier plot" and sorted(tmp_path.iterdir()) == [earlier]
+
+    def weights_fill_it(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", weights_fill_it)
+    result = runner.invoke(app, ["average", str(trained_run), "--last", "2", "--output", str(tmp_path / "avg")])
+    assert result.exit_code == 1 and "No space left on device" in result.stderr
+    assert sorted(tmp_path.iterdir()) == [earlier]  # no empty average folder left to trip the next try
+    monkeypatch.undo()
+    assert runner.invoke(app, ["plot", str(trained_run), "--output", str(earlier)]).exit_code == 0
+    assert earlier.read_bytes().startswith(b"\x89PNG")
+    (tmp_path / "folder.png").mkdir()
+    result = runner.invoke(app, ["plot", str(trained_run), "--output", str(tmp_path / "folder.png")])
+    assert result.exit_code == 1 and result.stderr.strip().endswith("nothing was replaced: that is a folder; name a file")
+
+
 def test_resume_refuses_a_folder_that_tformer_train_did_not_start(tmp_path, trained_run):
     average = tmp_path / "average"  # a standalone average: a config, a tokenizer and weights, no run
     assert runner.invoke(app, ["average", str(trained_run), "--last", "2", "--output", str(average)]).exit_code == 0

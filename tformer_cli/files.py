@@ -6,13 +6,14 @@ new file gets (0o666 less the umask), whatever wrote it. JSON lines are strict J
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import math
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ def temporary_name(path: Path, shared: bool = False) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp" if shared else f".{path.name}.tmp")
 
 
-@contextmanager
+@contextlib.contextmanager
 def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
     """Yield a temporary path (file or folder) to write; on success it replaces ``path`` durably.
     ``shared``: other processes may write ``path`` too (a cache entry): each writes its own temporary.
@@ -48,14 +49,33 @@ def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
     except BaseException as exc:
         _remove(tmp)
         if isinstance(exc, (OSError, RuntimeError)) or type(exc).__name__ == "SafetensorError":
-            raise CheckpointError(f"could not write {path} ({first_line(exc)}); nothing was replaced: free "
-                                  "space on the disk or pick another folder") from exc
+            raise CheckpointError(f"could not write {path} ({first_line(exc)}); nothing was replaced: "
+                                  f"{_remedy(exc)}") from exc
         raise
+
+
+def _remedy(exc: BaseException) -> str:
+    """What to do about a failed write: most often (torch's and safetensors' errors hide the errno)
+    a full disk."""
+    code = getattr(exc, "errno", None)
+    if code == errno.EISDIR:
+        return "that is a folder; name a file"
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "make the folder writable or pick another folder"
+    return "free space on the disk or pick another folder"
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     with replacing(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def write_figure(figure, path: Path, dpi: int) -> None:  # noqa: ANN001 - a matplotlib Figure
+    """Save a matplotlib figure as ``replacing`` writes: whole or not at all, a full disk one
+    ``CheckpointError``. The format is the name's extension (.png, .svg, .pdf)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(path) as tmp:
+        figure.savefig(tmp, dpi=dpi, format=path.suffix[1:].lower())
 
 
 def json_line(record: dict[str, Any]) -> str:
@@ -135,10 +155,12 @@ def _carry_over(old: Path, new: Path) -> None:
 
 
 def _remove(path: Path) -> None:
+    """Remove a temporary file or folder if it is there; a failure (a read-only disk) is the write's to report."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
 
 def _finish(path: Path) -> None:

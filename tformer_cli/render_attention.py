@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.console import Console, Group
 from rich.text import Text
 
+from tformer_cli.files import write_figure
 from tformer_cli.introspect import AttentionMap
 
 # viridis anchors: dark purple -> blue -> green -> yellow
@@ -128,6 +129,5 @@ def save_image(maps: list[AttentionMap], path: Path) -> None:
         ax.set_title(amap.title, fontsize=9)
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
+    write_figure(fig, path, dpi=150)
     plt.close(fig)

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tformer_cli.files import write_figure
 
 METRICS = {"bleu": "BLEU", "exact_match": "exact match, %", "chrf": "chrF"}
 
@@ -59,6 +60,5 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
+    write_figure(fig, path, dpi=130)
     plt.close(fig)

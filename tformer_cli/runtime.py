@@ -18,6 +18,7 @@ interrupted write never replaces a good file with a broken one.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import random
 import shutil
@@ -299,11 +300,20 @@ def average_checkpoints(checkpoints: list[Path], output: Path, run_dir: Path) ->
         for name, tensor in weights.items():
             total[name] = total.get(name, 0) + tensor.double()
     average = {name: (tensor / len(checkpoints)).float().contiguous() for name, tensor in total.items()}
+    created = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
-    with replacing(output / WEIGHTS) as tmp:
-        save_file(average, str(tmp), metadata={"averaged": ",".join(c.name for c in checkpoints)})
-    if standalone:  # the weights first: a folder with a config but no weights is not taken for a run
-        for name in run_files:
-            with replacing(output / name) as tmp:
-                shutil.copyfile(Path(run_dir) / name, tmp)
+    try:
+        with replacing(output / WEIGHTS) as tmp:
+            save_file(average, str(tmp), metadata={"averaged": ",".join(c.name for c in checkpoints)})
+        if standalone:  # the weights first: a folder with a config but no weights is not taken for a run
+            for name in run_files:
+                with replacing(output / name) as tmp:
+                    shutil.copyfile(Path(run_dir) / name, tmp)
+    except CheckpointError:
+        if created:  # a full disk leaves no half-made average behind
+            for name in (WEIGHTS, *run_files):
+                (output / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                output.rmdir()
+        raise
     return output
