@@ -200,6 +200,26 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_files(tmp_path, monkeyp
     assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
 
 
+def test_a_disk_full_when_figures_are_logged_is_one_line_naming_the_checkpoint_to_resume_from(tmp_path, monkeypatch):
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 6, "save_every": 2, "log_every": 1})
+    run = tmp_path / "run"
+    real = run_setup.append_jsonl
+
+    def fills_the_disk(path, record):
+        if record["step"] > 3:
+            raise OSError(28, "No space left on device")  # as a buffered write's close raises it: no file name
+        real(path, record)
+
+    monkeypatch.setattr(run_setup, "append_jsonl", fills_the_disk)
+    result = _train(config, "--output-dir", run)
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert f"could not write {run / 'metrics.jsonl'}" in result.stderr
+    assert f"step-00000002, is intact: once there is room, resume with tformer train --resume {run}" in result.stderr
+    monkeypatch.undo()
+    assert _train("--resume", run).exit_code == 0
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
 def test_metrics_are_strict_json_and_a_cut_last_line_is_skipped(tmp_path, trained_run):
     path = tmp_path / "metrics.jsonl"
     append_jsonl(path, {"step": 1, "loss": float("nan"), "ppl": float("inf")})

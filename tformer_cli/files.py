@@ -49,20 +49,21 @@ def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
     except BaseException as exc:
         _remove(tmp)
         if isinstance(exc, (OSError, RuntimeError)) or type(exc).__name__ == "SafetensorError":
-            raise CheckpointError(f"could not write {path} ({first_line(exc)}); nothing was replaced: "
-                                  f"{_remedy(exc)}") from exc
+            raise write_failed(path, exc, "nothing was replaced") from exc
         raise
 
 
-def _remedy(exc: BaseException) -> str:
-    """What to do about a failed write: most often (torch's and safetensors' errors hide the errno)
-    a full disk."""
+def write_failed(path: Path, exc: BaseException, outcome: str) -> CheckpointError:
+    """The one-line error for a failed write of ``path``: the cause, ``outcome`` (what became of the
+    file), and what to do, most often (torch's and safetensors' errors hide the errno) about a full disk."""
     code = getattr(exc, "errno", None)
     if code == errno.EISDIR:
-        return "that is a folder; name a file"
-    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return "make the folder writable or pick another folder"
-    return "free space on the disk or pick another folder"
+        remedy = "that is a folder; name a file"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        remedy = "make the folder writable or pick another folder"
+    else:
+        remedy = "free space on the disk or pick another folder"
+    return CheckpointError(f"could not write {path} ({first_line(exc)}); {outcome}: {remedy}")
 
 
 def write_text_atomic(path: Path, text: str) -> None:

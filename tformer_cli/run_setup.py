@@ -17,7 +17,7 @@ from tformer_cli.encoding import (
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, ConfigError, DataError, first_line, out_of_memory
 from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, compiles, label_smoothed_loss
-from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_text_atomic
+from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_failed, write_text_atomic
 from tformer_cli.model import build_model
 from tformer_cli.optim import make_optimizer
 from tformer_cli.parallel import Workers, distribute, gathered, load_optimizer_state, shard_like
@@ -187,7 +187,10 @@ class MetricsLog:
         self.path, self.board = run_dir / METRICS, board
 
     def write(self, split: str, record: dict[str, Any]) -> None:
-        append_jsonl(self.path, {"split": split, **record})
+        try:
+            append_jsonl(self.path, {"split": split, **record})
+        except OSError as exc:  # a full disk: the records before are intact, a cut last line is dropped
+            raise write_failed(self.path, exc, "the records before are intact") from exc
         if self.board is not None:
             self.board.write(split, record)
 

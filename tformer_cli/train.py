@@ -284,7 +284,8 @@ def _log(notify: Callback, log: "MetricsLog", state: TrainState, window: dict, l
         record["mfu"] = rate * flops["per_token"] / flops["peak"]
     record.update(memory_mib(device))  # this process's; the GPU's peak includes validation since the last line
     if workers.main:
-        log.write("train", record)
+        with _writing(log.path.parent):
+            log.write("train", record)
     notify("step", record)
     window.update(loss=0.0, tokens=0, start=now)
     _check_finite(model, state.step, workers, loss)
@@ -309,7 +310,8 @@ def _evaluate(setup: Setup, state: TrainState, notify: Callback) -> dict[str, An
     record["best"] = improved
     state.history.append(record)
     if main:
-        setup.log.write("validation", record)
+        with _writing(setup.run_dir):
+            setup.log.write("validation", record)
     notify("eval", record)
     return record
 
