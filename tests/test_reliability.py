@@ -220,6 +220,20 @@ def test_a_disk_full_when_figures_are_logged_is_one_line_naming_the_checkpoint_t
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_disk_too_full_for_the_runs_marker_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
+    write_text = Path.write_text
+
+    def full_disk(path, *args, **kwargs):
+        if ".tformer-run" in path.name:
+            raise OSError(28, "No space left on device")
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    result = _train(write_config(tmp_path / "t.yaml"), "--output-dir", tmp_path / "run")
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "No space left on device" in result.stderr and not (tmp_path / "run").exists()
+
+
 def test_metrics_are_strict_json_and_a_cut_last_line_is_skipped(tmp_path, trained_run):
     path = tmp_path / "metrics.jsonl"
     append_jsonl(path, {"step": 1, "loss": float("nan"), "ppl": float("inf")})

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO
 
 from tformer_cli.errors import UsageError
+from tformer_cli.files import write_text_atomic
 from tformer_cli.tokenizer import JOINT_FILE, SOURCE_FILE, TARGET_FILE
 
 MARKER = ".tformer-run"  # written first, when tformer creates a run folder
@@ -38,7 +39,7 @@ def mark_run_folder(run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     marker = run_dir / MARKER
     if not marker.is_file():
-        marker.write_text(json.dumps({"written_by": "tformer", "version": __version__}) + "\n")
+        write_text_atomic(marker, json.dumps({"written_by": "tformer", "version": __version__}) + "\n")
 
 
 def is_marked(run_dir: Path) -> bool:
@@ -52,16 +53,16 @@ def holding(run_dir: Path) -> Iterator[None]:
     instead of interleaving its checkpoints and metrics with the first one's. The OS releases the lock
     when the process ends, however it ends. A folder made here that holds only the marker at the end
     (a start that failed before writing anything) is removed."""
-    made = not run_dir.exists()
-    mark_run_folder(run_dir)
-    lock = _lock(run_dir)
+    made, lock = not run_dir.exists(), None
     try:
+        mark_run_folder(run_dir)  # a full disk may stop even this
+        lock = _lock(run_dir)
         yield
     finally:
         if lock is not None:
             lock.close()
-        if made and run_dir.is_dir() and [path.name for path in run_dir.iterdir()] == [MARKER]:
-            (run_dir / MARKER).unlink()
+        if made and run_dir.is_dir() and {path.name for path in run_dir.iterdir()} <= {MARKER}:
+            (run_dir / MARKER).unlink(missing_ok=True)
             run_dir.rmdir()
 
 
