@@ -1,6 +1,9 @@
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -358,3 +361,13 @@ def test_average_and_plot_commands_on_a_run(tmp_path):
     unknown = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.jpeg")])
     assert unknown.exit_code == 1 and "use a .png, .svg or .pdf file name" in unknown.output
     assert "Traceback" not in unknown.output and not (tmp_path / "curves.jpeg").exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_output_redirected_to_a_full_disk_is_one_line(tmp_path):
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "tformer_cli", "count-params", "--d-model", "64"], stdout=full,
+                                stderr=subprocess.PIPE, text=True)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == ("error: a write failed (No space left on device): free space on the disk and run "
+                                     "the command again")

@@ -5,6 +5,7 @@ Heavy imports (torch, datasets) happen inside command bodies so that `tformer --
 
 from __future__ import annotations
 
+import errno
 import signal
 import sys
 from pathlib import Path
@@ -34,11 +35,13 @@ class _ErrorBoundary(TyperGroup):
             error_lines(str(exc))
             raise typer.Exit(1) from None
         except OSError as exc:  # a file the user named cannot be read or written: no traceback for that
-            if exc.filename is None or ctx.params.get("debug"):
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a stream: the output redirected, say
+            if (exc.filename is None and not full) or ctx.params.get("debug"):
                 raise
             from tformer_cli.render import error_lines
 
-            error_lines(f"{exc.filename}: {exc.strerror}")
+            error_lines(f"{exc.filename}: {exc.strerror}" if exc.filename is not None else
+                        f"a write failed ({exc.strerror}): free space on the disk and run the command again")
             raise typer.Exit(1) from None
         except KeyboardInterrupt as exc:
             from tformer_cli.render import error_lines
