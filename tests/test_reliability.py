@@ -72,6 +72,41 @@ def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_run(tmp_path, mo
     assert step_checkpoints(tmp_path / "run") and (tmp_path / "not-a-folder").read_text() == "mine\n"
 
 
+def test_a_full_cache_disk_is_one_warning_and_leaves_no_vocabulary_folder_without_its_files(tmp_path, monkeypatch):
+    import tformer_cli.encoding as encoding
+    from safetensors import SafetensorError
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TFORMER_CACHE", str(cache))
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 2})
+    write_text = Path.write_text
+
+    def full_disk(path, *args, **kwargs):
+        if cache in path.parents:
+            raise OSError(28, "No space left on device")
+        return write_text(path, *args, **kwargs)
+
+    def full_disk_as_safetensors_says(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    monkeypatch.setattr(encoding, "save_file", full_disk_as_safetensors_says)
+    result = _train(config, "--output-dir", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [f"warning: the cache in {cache} cannot be written (No space left on device): "
+                                          "the next run learns and tokenises again; set TFORMER_CACHE to a writable "
+                                          "folder"]
+    assert [p for p in cache.rglob("*") if p.is_file()] == [] and not any((cache / "tokenizers").iterdir())
+    monkeypatch.undo()
+    monkeypatch.setenv("TFORMER_CACHE", str(cache))
+    for again in ("again", "once_more"):
+        result = _train(config, "--output-dir", tmp_path / again)
+        assert result.exit_code == 0 and result.stderr == "", result.output
+        folder, = (cache / "tokenizers").iterdir()
+        assert [p.name for p in folder.iterdir()] == ["tokenizer.json"]
+        (folder / "tokenizer.json").unlink()  # as an earlier tformer's cut-short write left it: relearned, no warning
+
+
 class _Planted:
     """A pickle that would create a file if it were ever unpickled."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -158,8 +159,14 @@ def load_encoded(cfg: DataConfig, split: str, vocab: Vocabulary,
         return encoded
 
 
-def _uncached(exc: Exception) -> str:
-    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc)  # the same for every path
+def _uncached(exc: BaseException) -> str:
+    """The warning for a cache entry not written: the same for every entry that fails alike (a full
+    disk), so that it is given once."""
+    while exc.__cause__ is not None:  # a CheckpointError names the file: what it wraps does not
+        exc = exc.__cause__
+    errno_in_text = re.search(r"\(os error (\d+)\)", str(exc))  # how safetensors reports an OSError
+    why = (exc.strerror if isinstance(exc, OSError) and exc.strerror else
+           os.strerror(int(errno_in_text.group(1))) if errno_in_text else first_line(exc))
     return (f"the cache in {cache_dir()} cannot be written ({why}): the next run learns and tokenises again; set "
             "TFORMER_CACHE to a writable folder")
 
@@ -279,7 +286,7 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
 def train_or_load_vocabulary(cfg: DataConfig, notice: Callable[[str], None] = lambda message: None) -> Vocabulary:
     """Learn BPE on the training split, or reuse one learned from the same data and settings."""
     folder = _vocabulary_folder(cfg)
-    if folder.is_dir():
+    if folder.is_dir() and any(folder.iterdir()):  # an empty one: an earlier tformer's write cut short
         try:
             return Vocabulary.load(folder)
         except CheckpointError as exc:
@@ -288,8 +295,10 @@ def train_or_load_vocabulary(cfg: DataConfig, notice: Callable[[str], None] = la
     vocab = Vocabulary.train(pairs, cfg.vocab_size, cfg.joint_vocab, cfg.min_frequency, cfg.lowercase,
                              cfg.bpe_max_pairs)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        vocab.save(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with replacing(folder, shared=True) as tmp:  # whole: a full disk leaves no folder without its files
+            tmp.mkdir()
+            vocab.save(tmp)
     except (CheckpointError, OSError) as exc:
         notice(_uncached(exc))
     return vocab
