@@ -107,6 +107,18 @@ def test_a_full_cache_disk_is_one_warning_and_leaves_no_vocabulary_folder_withou
         (folder / "tokenizer.json").unlink()  # as an earlier tformer's cut-short write left it: relearned, no warning
 
 
+def test_a_dataset_folder_with_a_loading_script_never_runs_it(tmp_path):
+    import shutil
+
+    folder = tmp_path / "numbers"
+    shutil.copytree("data/numbers", folder)  # train/validation/test.jsonl, and beside them a loading script of the folder's name
+    (folder / "numbers.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('ran')\n")
+    config = write_config(tmp_path / "t.yaml", data={"dataset": str(folder)}, train={"max_steps": 1})
+    result = _train(config, "--output-dir", tmp_path / "run")
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert "numbers.py" in result.stderr and not (tmp_path / "ran").exists()
+
+
 class _Planted:
     """A pickle that would create a file if it were ever unpickled."""
 
