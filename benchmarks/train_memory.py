@@ -25,20 +25,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tformer_cli.devices import resident_mib  # noqa: E402
+
 MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
 # the speed layer's rule (gemm.pays_here) made to answer yes or no, then tformer's command line
 FORCED_LAUNCH = ("import sys, tformer_cli.accel.gemm as g; g.pays_here = lambda: {}; "
                  "from tformer_cli.cli import app; sys.argv[0] = 'tformer'; app()")
-
-
-def status_kib(pid: int, field: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def main() -> None:
@@ -65,10 +58,9 @@ def main() -> None:
         process = subprocess.Popen(command, cwd=args.code, env=env, stdout=subprocess.DEVNULL, stderr=errors)
         start, samples = time.perf_counter(), []
         while process.poll() is None:
-            rss = status_kib(process.pid, "VmRSS")
-            if rss is not None:
-                samples.append({"s": round(time.perf_counter() - start, 1), "rss_mib": rss / 1024,
-                                "hwm_mib": status_kib(process.pid, "VmHWM") / 1024})
+            rss, peak = resident_mib(pid=process.pid), resident_mib(peak=True, pid=process.pid)
+            if rss is not None and peak is not None:
+                samples.append({"s": round(time.perf_counter() - start, 1), "rss_mib": rss, "hwm_mib": peak})
             time.sleep(args.every)
         if process.returncode != 0:
             errors.seek(0)

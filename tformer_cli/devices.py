@@ -75,12 +75,12 @@ def best_seconds(operation: Callable[[], Any], device: torch.device, warmup: int
     return min(times)
 
 
-def resident_mib(peak: bool = False) -> float | None:
-    """This process's resident memory in MiB (VmRSS), or its peak since ``reset_peak_memory`` (VmHWM);
-    None where there is no /proc (not Linux)."""
+def resident_mib(peak: bool = False, pid: int | str = "self") -> float | None:
+    """A process's resident memory in MiB (VmRSS; this one's by default), or its peak since
+    ``reset_peak_memory`` (VmHWM); None where there is no /proc (not Linux) or no such process."""
     field = "VmHWM:" if peak else "VmRSS:"
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             return next((int(line.split()[1]) / 1024 for line in f if line.startswith(field)), None)
     except OSError:
         return None
