@@ -371,3 +371,21 @@ def test_output_redirected_to_a_full_disk_is_one_line(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip() == ("error: a write failed (No space left on device): free space on the disk and run "
                                      "the command again")
+
+
+def test_text_out_is_utf8_whatever_the_locale(trained_run, monkeypatch):
+    """Output goes out as UTF-8 even where Python's streams are ASCII or a Windows code page (a locale
+    unset, a redirect on Windows): hypotheses and messages repeat the user's UTF-8 text."""
+    import io
+
+    from tformer_cli.cli import main
+
+    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="ascii") for _ in range(2))
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setattr("sys.argv", ["tformer", "generate", str(trained_run), "eins", "--prefix", "fünf €"])
+    with pytest.raises(SystemExit) as stop:
+        main()
+    err.flush()
+    assert stop.value.code == 1
+    assert "'€'" in err.buffer.getvalue().decode("utf-8")  # the character the target vocabulary lacks
