@@ -281,6 +281,25 @@ def test_a_disk_too_full_for_the_runs_marker_is_one_line_and_leaves_no_folder(tm
     assert "No space left on device" in result.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("cause, remedy", [
+    (OSError(28, "No space left on device"), "free space on the disk or pick another folder"),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos"), "free space on the disk or pick "
+                                                                                  "another folder"),
+    (OSError(30, "Read-only file system"), "make the folder writable or pick another folder"),
+    (IsADirectoryError(21, "Is a directory"), "that is a folder; name a file"),
+    ("safetensors", "make the folder writable or pick another folder")])
+def test_a_failed_write_says_what_to_do_about_its_cause(tmp_path, cause, remedy):
+    from safetensors import SafetensorError
+
+    from tformer_cli.files import write_failed
+
+    if cause == "safetensors":  # safetensors' error carries no errno, only its text
+        cause = SafetensorError('Error while serializing: I/O error: Read-only file system (os error 30) at path "x"')
+    error = write_failed(tmp_path / "model.safetensors", cause, "nothing was replaced")
+    assert str(error).startswith(f"could not write {tmp_path / 'model.safetensors'} (")
+    assert str(error).endswith(f"; nothing was replaced: {remedy}")
+
+
 def test_metrics_are_strict_json_and_a_cut_last_line_is_skipped(tmp_path, trained_run):
     path = tmp_path / "metrics.jsonl"
     append_jsonl(path, {"step": 1, "loss": float("nan"), "ppl": float("inf")})

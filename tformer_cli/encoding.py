@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from safetensors.torch import save_file
 from tformer_cli.config import DataConfig
 from tformer_cli.data import read_pairs
 from tformer_cli.errors import CheckpointError, DataError, first_line
-from tformer_cli.files import replacing
+from tformer_cli.files import error_number, replacing
 from tformer_cli.sequences import Sequences, TextPairs
 from tformer_cli.tokenizer import RECIPE, Vocabulary, usable_cpus
 
@@ -164,9 +163,8 @@ def _uncached(exc: BaseException) -> str:
     disk), so that it is given once."""
     while exc.__cause__ is not None:  # a CheckpointError names the file: what it wraps does not
         exc = exc.__cause__
-    errno_in_text = re.search(r"\(os error (\d+)\)", str(exc))  # how safetensors reports an OSError
-    why = (exc.strerror if isinstance(exc, OSError) and exc.strerror else
-           os.strerror(int(errno_in_text.group(1))) if errno_in_text else first_line(exc))
+    code = error_number(exc)
+    why = os.strerror(code) if code is not None else first_line(exc)
     return (f"the cache in {cache_dir()} cannot be written ({why}): the next run learns and tokenises again; set "
             "TFORMER_CACHE to a writable folder")
 

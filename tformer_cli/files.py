@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +57,7 @@ def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
 def write_failed(path: Path, exc: BaseException, outcome: str) -> CheckpointError:
     """The one-line error for a failed write of ``path``: the cause, ``outcome`` (what became of the
     file), and what to do, most often (torch's and safetensors' errors hide the errno) about a full disk."""
-    code = getattr(exc, "errno", None)
+    code = error_number(exc)
     if code == errno.EISDIR:
         remedy = "that is a folder; name a file"
     elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -64,6 +65,15 @@ def write_failed(path: Path, exc: BaseException, outcome: str) -> CheckpointErro
     else:
         remedy = "free space on the disk or pick another folder"
     return CheckpointError(f"could not write {path} ({first_line(exc)}); {outcome}: {remedy}")
+
+
+def error_number(exc: BaseException) -> int | None:
+    """The OS error number behind ``exc``: an OSError's own, or the one that safetensors writes into
+    its message as "(os error N)"; None if there is none."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc.errno
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return int(found.group(1)) if found else None
 
 
 def write_text_atomic(path: Path, text: str) -> None:
