@@ -59,6 +59,13 @@ def test_overwrite_never_deletes_a_folder_that_tformer_did_not_make(tmp_path):
     (run / "checkpoints" / "keep").rmdir()
     assert _train(config, "--output-dir", run, "--overwrite").exit_code == 0  # only tformer's files: replaced
 
+    link = tmp_path / "link"  # runs kept on other storage through a link: the link and its folder stay
+    link.symlink_to(run, target_is_directory=True)
+    before = (run / "model.safetensors").stat().st_mtime_ns
+    result = _train(config, "--output-dir", link, "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and (run / "model.safetensors").stat().st_mtime_ns != before and step_checkpoints(run)
+
 
 def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_run(tmp_path, monkeypatch):
     (tmp_path / "not-a-folder").write_text("mine\n")
@@ -381,6 +388,17 @@ def test_an_image_or_an_average_cut_short_by_a_full_disk_is_one_line_and_keeps_w
     (tmp_path / "folder.png").mkdir()
     result = runner.invoke(app, ["plot", str(trained_run), "--output", str(tmp_path / "folder.png")])
     assert result.exit_code == 1 and result.stderr.strip().endswith("nothing was replaced: that is a folder; name a file")
+
+
+def test_a_link_named_as_an_output_stays_a_link_and_what_it_points_to_is_written(tmp_path, trained_run):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "hf").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "hyps.txt").symlink_to(tmp_path / "elsewhere.txt")  # not there yet
+    for command in (["export", trained_run, tmp_path / "hf"],
+                    ["eval", trained_run, "--split", "test", "--max-samples", "3", "--output", tmp_path / "hyps.txt"]):
+        assert runner.invoke(app, list(map(str, command))).exit_code == 0
+    assert (tmp_path / "hf").is_symlink() and (tmp_path / "elsewhere" / "model.safetensors").is_file()
+    assert (tmp_path / "hyps.txt").is_symlink() and len((tmp_path / "elsewhere.txt").read_text().splitlines()) == 3
 
 
 def test_resume_refuses_a_folder_that_tformer_train_did_not_start(tmp_path, trained_run):

@@ -37,6 +37,8 @@ def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
             temporary file is removed.
     """
     path = Path(path)
+    if path.is_symlink():  # a link someone made stays; what it points to is written
+        path = path.resolve()
     tmp = temporary_name(path, shared)
     _remove(tmp)
     try:

@@ -81,7 +81,8 @@ def _clear_for_new_run(run_dir: Path, overwrite: bool) -> None:
         raise UsageError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, "
                          "or pass --overwrite or another --output-dir")
     check_not_held(run_dir)
-    shutil.rmtree(run_dir)
+    for path in run_dir.iterdir():  # the folder stays: it may be a link or a mount point someone made
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 # What a resumed run may change: its regularisation, not the weights' shapes or the vocabulary it learned.
