@@ -65,6 +65,10 @@ def test_overwrite_never_deletes_a_folder_that_tformer_did_not_make(tmp_path):
     result = _train(config, "--output-dir", link, "--overwrite")
     assert result.exit_code == 0, result.output
     assert link.is_symlink() and (run / "model.safetensors").stat().st_mtime_ns != before and step_checkpoints(run)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    result = _train(config, "--output-dir", tmp_path / "dangling")
+    assert result.exit_code == 1 and result.stderr.strip().endswith(
+        f"a link to {tmp_path / 'nowhere'}, which does not exist; create that folder or pick another --output-dir")
 
 
 def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_run(tmp_path, monkeypatch):

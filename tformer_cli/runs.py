@@ -64,6 +64,9 @@ def _clear_for_new_run(run_dir: Path, overwrite: bool) -> None:
     """Make way for a new run in ``run_dir``, deleting only what tformer wrote there: a run that has
     weights only with ``overwrite``; a start that never reached its first checkpoint (killed during
     setup, say) without asking, as it holds nothing that a resume could use."""
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise UsageError(f"--output-dir {run_dir}: a link to {run_dir.readlink()}, which does not exist; create "
+                         "that folder or pick another --output-dir")
     if not run_dir.exists():
         return
     if not run_dir.is_dir():
