@@ -185,6 +185,9 @@ def _data_cases() -> list[Case]:
     cases += [
         Case("data/eval/text/one-file", ["eval", "{run}", "--data-files", "{tmp}/s.txt"], "needs two parallel files",
              files={"s.txt": "one\n"}),
+        Case("data/eval/a-folder", ["eval", "{run}", "--data-files", "{tmp}"], "{tmp}: is a folder; name its files"),
+        Case("data/train/a-folder", TRAIN, "{tmp}: is a folder; name its files", files={"c.yaml": _config(data={
+            "dataset": None, "data_files": {"train": "{tmp}"}, "validation_split": None})}),
         Case("data/eval/unknown-format", ["eval", "{run}", "--data-files", "{tmp}/d.xml"], "set data.format",
              files={"d.xml": "<a/>"}),
         Case("data/eval/wrong-field-flag", ["eval", "{run}", "--data-files", str(NUMBERS / "test.jsonl"),
@@ -365,3 +368,15 @@ def _damage(path: Path, content: bytes | str | None) -> None:
 def _snapshot(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_pipe_as_a_data_file_is_one_line(tmp_path, trained_run):
+    """datasets reads a file by its name, more than once: ``--data-files <(zcat test.jsonl.gz)`` cannot work."""
+    import os
+
+    pipe = tmp_path / "fifo.jsonl"
+    os.mkfifo(pipe)  # never opened: the check looks at what it is
+    result = CliRunner().invoke(app, ["eval", str(trained_run), "--data-files", str(pipe)])
+    assert result.exit_code == 1 and result.stderr.strip() == (
+        f"error: --data-files {pipe}: is not a regular file (a pipe, say); write the data to a file first (.gz files "
+        "are read as they are)")

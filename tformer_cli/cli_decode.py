@@ -93,6 +93,7 @@ def eval_command(
     from dataclasses import replace
 
     from tformer_cli.accel import check_mode
+    from tformer_cli.data import not_a_data_file
     from tformer_cli.decoding import DecodeOptions
     from tformer_cli.devices import resolve_device
     from tformer_cli.evaluation import evaluate_run
@@ -105,8 +106,9 @@ def eval_command(
     check_mbr(mbr, mbr_metric, mbr_candidates)
     check_mode(accel)
     for path in data_files or []:
-        if not path.is_file():
-            raise UsageError(f"--data-files {path}: no such file")
+        problem = not_a_data_file(path)
+        if problem:
+            raise UsageError(f"--data-files {path}: {problem}")
     dev = resolve_device(device or "auto")
     runs = ensemble_runs(run, ensemble)
     loaded, models, amp = load_for_decoding(runs, dev, accel, precision)

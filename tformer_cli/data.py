@@ -72,12 +72,14 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
                             f"add it or set the split name in data.*_split")
         files = cfg.data_files[split]
         files = [files] if isinstance(files, str) else list(files)
+        _check_files(files)
         fmt = cfg.format if cfg.format != "auto" else _format_of(files)
     where = f"{', '.join(files) if cfg.data_files else cfg.dataset}: split '{split}'"
     try:
         if cfg.data_files:
             pairs = _file_pairs(files, fmt, cfg, where)
         elif tsv := _tsv_split(cfg.dataset, split):  # datasets' folder loader would take a first line for a header
+            _check_files(tsv)
             pairs = _tsv_pairs(tsv, cfg, where)
         else:
             pairs = _columns(_load_named(cfg.dataset, cfg.subset, split), cfg, where)
@@ -141,11 +143,27 @@ def _format_of(files: list[str]) -> str:
                     "or .txt, or set data.format to json, csv, tsv, parquet or text")
 
 
+def not_a_data_file(path: Path | str) -> str | None:
+    """What keeps ``path`` from being read as a data file, or None: datasets reads its files by name,
+    more than once, so a pipe (``<(zcat f.gz)``) will not do."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "is a folder; name its files, or pass the folder as data.dataset"
+    if path.exists():
+        return "is not a regular file (a pipe, say); write the data to a file first (.gz files are read as they are)"
+    return "no such file"
+
+
 def _check_files(files: list[str]) -> None:
     for path in files:
-        if not Path(path).is_file():
+        problem = not_a_data_file(path)
+        if problem == "no such file":
             raise DataError(f"data file not found: {path}; fix data.data_files (paths are relative to the "
                             "current directory)")
+        if problem:
+            raise DataError(f"{path}: {problem}")
         if Path(path).stat().st_size == 0:
             raise DataError(f"{path}: the file is empty; point data.data_files (or --data-files) at the data")
 
@@ -154,7 +172,6 @@ def _load_files(fmt: str, files: list[str], **options: Any):
     """``files`` as one ``datasets`` table, read by its ``fmt`` loader with ``options``."""
     import datasets
 
-    _check_files(files)
     datasets.disable_progress_bars()
     failed: list[str] = []
     try:
@@ -227,7 +244,6 @@ def _tsv_pairs(files: list[str], cfg: DataConfig, where: str) -> ArrowPairs:
 
     import datasets
 
-    _check_files(files)
     names = [cfg.source, cfg.target]
     strings = datasets.Features({name: datasets.Value("string") for name in names})
     tables = [_load_files("csv", [file], sep="\t", header=0 if _first_fields(file) == names else None,
