@@ -231,6 +231,17 @@ def test_bpe_learns_from_blocks_spread_over_the_whole_split_when_it_is_larger_th
     assert "▁zebra" in Vocabulary.train(rare, vocab_size=60, min_frequency=1).source.get_vocab()
 
 
+def test_the_cache_is_in_home_unless_tformer_cache_names_a_folder(tmp_path, monkeypatch):
+    from tformer_cli.encoding import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TFORMER_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    for unset in ("", None):  # set but empty is unset, as shells mean it: not the current directory
+        monkeypatch.delenv("TFORMER_CACHE") if unset is None else monkeypatch.setenv("TFORMER_CACHE", unset)
+        assert cache_dir() == tmp_path / ".cache" / "tformer"
+
+
 def test_encoded_splits_are_cached(tmp_path):
     path = _jsonl(tmp_path / "train.jsonl", ROWS)
     cfg = DataConfig(data_files={"train": path}, source="de", target="en")

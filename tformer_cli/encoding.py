@@ -43,7 +43,7 @@ TRAINING_ONLY = {"bpe_dropout"}  # data settings that change neither the vocabul
 
 def cache_dir() -> Path:
     """Where encoded datasets and trained tokenizers are cached ($TFORMER_CACHE, else ~/.cache/tformer)."""
-    return Path(os.environ.get("TFORMER_CACHE", Path.home() / ".cache" / "tformer"))
+    return Path(os.environ.get("TFORMER_CACHE") or Path.home() / ".cache" / "tformer")  # set but empty: unset
 
 
 @dataclass
