@@ -283,6 +283,22 @@ def test_a_killed_process_stops_the_others_within_seconds(tmp_path, engine, vict
             p.wait()
 
 
+def test_a_process_that_cannot_see_the_run_folder_says_where_it_must_be(tmp_path, trained_run):
+    """With several machines, the processes beyond rank 0 read the tokenizer rank 0 wrote in the run
+    folder: one that does not see it (a node-local --output-dir) says so in one line."""
+    from tformer_cli.errors import CheckpointError
+    from tformer_cli.parallel import Workers
+    from tformer_cli.run_setup import run_vocabulary
+
+    assert run_vocabulary(trained_run, Workers(rank=3, size=4)).src_size > 0
+    with pytest.raises(CheckpointError, match="no tokenizer.json"):
+        run_vocabulary(tmp_path, Workers())
+    with pytest.raises(CheckpointError) as error:
+        run_vocabulary(tmp_path, Workers(rank=3, size=4, local_rank=1))
+    assert str(error.value) == (f"{tmp_path}: process 3 does not see the tokenizer that process 0 wrote there; with "
+                                "several machines, put the run folder (--output-dir) on storage every machine sees")
+
+
 def test_fsdp_refuses_processes_that_share_a_gpu(monkeypatch):
     """More processes on a node than GPUs: DDP shares them over gloo, FSDP stops before joining with
     one line that says what to run instead (on a machine without a GPU, CUDA's answers are stood in)."""

@@ -136,7 +136,7 @@ class Setup:
 
         # the other processes, and a resumed run, take the vocabulary in the run folder (rank 0's)
         from_run = resume or not self.workers.main
-        vocab = Vocabulary.load(self.run_dir) if from_run else cached_vocabulary(data)
+        vocab = run_vocabulary(self.run_dir, self.workers) if from_run else cached_vocabulary(data)
         self.validates = data.validation_split is not None  # rank 0 validates; the others take its figures
         splits = [data.train_split, *([data.validation_split] if self.validates and self.workers.main else [])]
         if worth_preparing_apart(data) and not (vocab is not None and encodings_cached(data, splits, vocab)):
@@ -178,6 +178,18 @@ class Setup:
                 kept = [r for r in read_jsonl(metrics) if r.get("step", 0) <= self.state.step]
                 write_text_atomic(metrics, "".join(json_line(r) for r in kept))
         return saved
+
+
+def run_vocabulary(run_dir: Path, workers: Workers) -> Vocabulary:
+    """The vocabulary saved in the run folder: by rank 0, before the other processes look for it."""
+    try:
+        return Vocabulary.load(run_dir)
+    except CheckpointError:
+        if workers.main:
+            raise
+        raise CheckpointError(f"{run_dir}: process {workers.rank} does not see the tokenizer that process 0 wrote "
+                              "there; with several machines, put the run folder (--output-dir) on storage every "
+                              "machine sees") from None
 
 
 class MetricsLog:
