@@ -372,7 +372,7 @@ def main() -> None:
     # SIGTERM (a scheduler's or a container's stop) is handled like Ctrl-C: one line and exit status 143
     signal.signal(signal.SIGTERM, _terminate)
     for stream in (sys.stdout, sys.stderr):  # text in is UTF-8 (cli_options.check_text), so is text out,
-        if (stream.encoding or "").lower() not in ("utf-8", "utf8") and hasattr(stream, "reconfigure"):
+        if hasattr(stream, "reconfigure") and (stream.encoding or "").lower() not in ("utf-8", "utf8"):
             stream.reconfigure(encoding="utf-8")  # whatever the locale: ASCII's or a Windows code page
     try:
         app()
