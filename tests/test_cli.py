@@ -118,6 +118,10 @@ def test_generate_from_arguments_and_stdin_one_line_per_input(run_dir):
     outputs = piped.stdout.splitlines()
     assert len(outputs) == 5 and outputs[1] == ""
     assert "truncated" in piped.stderr
+    marked = runner.invoke(app, ["generate", str(run_dir), "--beam", "2"], input=b"\xef\xbb\xbf" + lines.encode())
+    assert marked.exit_code == 0 and marked.stdout == piped.stdout  # a byte-order mark is not part of line 1
+    marked = runner.invoke(app, ["generate", str(run_dir), "--json-input"], input=b'\xef\xbb\xbf{"input": "seven"}\n')
+    assert marked.exit_code == 0 and marked.stdout == args.stdout.splitlines()[0] + "\n"
 
 
 def test_generate_translates_each_line_typed_at_a_terminal_and_piped_lines_in_batches(run_dir, monkeypatch):

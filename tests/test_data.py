@@ -2,6 +2,7 @@ import gzip
 import json
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +98,9 @@ def test_parallel_text_files_and_nested_fields(tmp_path):
     files = [str(tmp_path / "train.de"), str(tmp_path / "train.en")]
     for fmt in ("text", "auto"):  # auto: two files named by their languages are a text pair
         assert load_pairs(DataConfig(data_files={"train": files}, format=fmt), "train") == [(r["de"], r["en"]) for r in ROWS]
+    for file in files:  # as Notepad saves UTF-8: a byte-order mark first, which is no part of the first line
+        Path(file).write_bytes(b"\xef\xbb\xbf" + Path(file).read_bytes())
+    assert load_pairs(DataConfig(data_files={"train": files}), "train") == [(r["de"], r["en"]) for r in ROWS]
     with pytest.raises(DataError, match=r"cannot tell the format of '.*train\.de' from its extension"):
         load_pairs(DataConfig(data_files={"train": files[:1]}), "train")
     nested = _jsonl(tmp_path / "wmt.jsonl", [{"translation": r} for r in ROWS])

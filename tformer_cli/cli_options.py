@@ -123,8 +123,8 @@ def stdin_lines(stream) -> Iterator[str]:
     """Lines of a binary stream decoded as UTF-8, without their line ends; a line that is not UTF-8 is
     a one-line error naming it."""
     for number, raw in enumerate(stream, 1):
-        try:
-            yield raw.decode("utf-8").rstrip("\r\n")
+        try:  # a byte-order mark (a file saved by Notepad, say) is no part of the first line's text
+            yield raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
         except UnicodeDecodeError as exc:
             raise UsageError(f"standard input, line {number}: not UTF-8 text (byte {exc.start + 1}); convert it "
                              "first, e.g. iconv -t UTF-8") from None

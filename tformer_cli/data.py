@@ -229,7 +229,7 @@ def _parser_error(exc: BaseException) -> BaseException:
 def _text_pairs(files: list[str], where: str) -> ArrowPairs:
     if len(files) != 2:
         raise DataError(f"plain-text data needs two parallel files [source, target] per split, got {files}")
-    source, target = (_load_files("text", [f]) for f in files)
+    source, target = (_load_files("text", [f], encoding="utf-8-sig") for f in files)  # -sig: a byte-order mark is no text
     if len(source) != len(target):
         raise DataError(f"parallel files differ in length: {files[0]} has {len(source)} lines, "
                         f"{files[1]} has {len(target)}")

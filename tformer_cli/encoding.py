@@ -27,8 +27,9 @@ from tformer_cli.files import error_number, replacing
 from tformer_cli.sequences import Sequences, TextPairs
 from tformer_cli.tokenizer import RECIPE, Vocabulary, usable_cpus
 
-# Encoded splits cached in an earlier layout are not read (3: safetensors, no pickle)
-CACHE_FORMAT = 3
+# Encoded splits cached in an earlier layout, or by an earlier reader, are not read (3: safetensors, no
+# pickle; 4: plain-text files read without a byte-order mark)
+CACHE_FORMAT = 4
 ENCODE_CHUNK = 100_000  # pairs tokenised at a time: their ids as Python lists are the peak memory
 # A split of this many pairs or more is tokenised by worker processes, a range of it each: the cores
 # work in parallel on the Python side too, and the heap that tokenizers grows while encoding (about
