@@ -23,6 +23,18 @@ def test_decoding_round_trips_spaces_punctuation_and_accents():
     assert vocab.decode_targets(ids) == TEXTS[:4]
 
 
+def test_white_space_is_one_space_between_words_and_none_around_them():
+    """Text from the wild has tabs, no-break spaces, doubled and trailing spaces: each run of them is one
+    space, so "seven  hundred " is the "seven hundred" the model was trained on (both sides, saved with
+    the tokenizer, so exports do the same)."""
+    vocab = Vocabulary.train([(t, t) for t in TEXTS], vocab_size=200, min_frequency=1)
+    clean = "twenty-one thousand four hundred"
+    messy = ["  twenty-one thousand four hundred ", "twenty-one\tthousand  four\u00a0hundred", "twenty-one\u3000"
+             "thousand\r\nfour hundred\u2009"]
+    assert vocab.encode_sources(messy) == vocab.encode_sources([clean] * 3)
+    assert vocab.encode_targets(messy) == vocab.encode_targets([clean] * 3)
+
+
 def test_save_and_load_joint_and_separate(tmp_path):
     pairs = [(a, b) for a, b in zip(TEXTS, reversed(TEXTS))]
     joint = Vocabulary.train(pairs, vocab_size=120, min_frequency=1)

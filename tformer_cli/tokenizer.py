@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from tformer_cli.errors import CheckpointError, first_line
 from tformer_cli.files import write_text_atomic
@@ -29,14 +29,16 @@ os.environ.setdefault("RAYON_RS_NUM_CPUS", str(usable_cpus()))
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]  # ids 0, 1, 2, 3
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
-RECIPE = "bpe/nfc/metaspace+punctuation/v2"  # part of the cache key: change it when the recipe changes
+RECIPE = "bpe/nfc+spaces/metaspace+punctuation/v3"  # part of the cache key: change it when the recipe changes
 JOINT_FILE, SOURCE_FILE, TARGET_FILE = "tokenizer.json", "tokenizer-source.json", "tokenizer-target.json"
 
 
 def _new_tokenizer(lowercase: bool) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(unk_token=UNK))
-    steps = [normalizers.NFC()] + ([normalizers.Lowercase()] if lowercase else [])
-    tokenizer.normalizer = normalizers.Sequence(steps)
+    # Unicode's NFC; any run of white space (tabs, no-break spaces, line ends) one space, none at either
+    # end: "seven  hundred " is "seven hundred", as SentencePiece's default normalisation has it
+    steps = [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip()]
+    tokenizer.normalizer = normalizers.Sequence(steps + ([normalizers.Lowercase()] if lowercase else []))
     # Words keep their leading space as "▁"; punctuation becomes tokens of its own ("forty", "-", "two").
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()])
     tokenizer.decoder = decoders.Metaspace()
