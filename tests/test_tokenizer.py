@@ -30,9 +30,9 @@ def test_white_space_is_one_space_between_words_and_none_around_them():
     vocab = Vocabulary.train([(t, t) for t in TEXTS], vocab_size=200, min_frequency=1)
     clean = "twenty-one thousand four hundred"
     messy = ["  twenty-one thousand four hundred ", "twenty-one\tthousand  four\u00a0hundred", "twenty-one\u3000"
-             "thousand\r\nfour hundred\u2009"]
-    assert vocab.encode_sources(messy) == vocab.encode_sources([clean] * 3)
-    assert vocab.encode_targets(messy) == vocab.encode_targets([clean] * 3)
+             "thousand\r\nfour hundred\u2009", "\ufefftwenty-one thousand four hundred"]
+    assert vocab.encode_sources(messy) == vocab.encode_sources([clean] * 4)
+    assert vocab.encode_targets(messy) == vocab.encode_targets([clean] * 4)
 
 
 def test_save_and_load_joint_and_separate(tmp_path):

@@ -35,9 +35,11 @@ JOINT_FILE, SOURCE_FILE, TARGET_FILE = "tokenizer.json", "tokenizer-source.json"
 
 def _new_tokenizer(lowercase: bool) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(unk_token=UNK))
-    # Unicode's NFC; any run of white space (tabs, no-break spaces, line ends) one space, none at either
-    # end: "seven  hundred " is "seven hundred", as SentencePiece's default normalisation has it
-    steps = [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Strip()]
+    # Unicode's NFC; no byte-order mark (files joined with cat keep theirs mid-text); any run of white
+    # space (tabs, no-break spaces, line ends) one space, none at either end: "seven  hundred " is
+    # "seven hundred", as SentencePiece's default normalisation has it
+    steps = [normalizers.NFC(), normalizers.Replace("\ufeff", ""), normalizers.Replace(Regex(r"\s+"), " "),
+             normalizers.Strip()]
     tokenizer.normalizer = normalizers.Sequence(steps + ([normalizers.Lowercase()] if lowercase else []))
     # Words keep their leading space as "▁"; punctuation becomes tokens of its own ("forty", "-", "two").
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()])
