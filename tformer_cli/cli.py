@@ -35,13 +35,11 @@ class _ErrorBoundary(TyperGroup):
             error_lines(str(exc))
             raise typer.Exit(1) from None
         except OSError as exc:  # a file the user named cannot be read or written: no traceback for that
-            full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a stream: the output redirected, say
-            if (exc.filename is None and not full) or ctx.params.get("debug"):
+            if exc.filename is None or ctx.params.get("debug"):
                 raise
             from tformer_cli.render import error_lines
 
-            error_lines(f"{exc.filename}: {exc.strerror}" if exc.filename is not None else
-                        f"a write failed ({exc.strerror}): free space on the disk and run the command again")
+            error_lines(f"{exc.filename}: {exc.strerror}")
             raise typer.Exit(1) from None
         except KeyboardInterrupt as exc:
             from tformer_cli.render import error_lines
@@ -376,6 +374,13 @@ def main() -> None:
             stream.reconfigure(encoding="utf-8")  # whatever the locale: ASCII's or a Windows code page
     try:
         app()
+    except OSError as exc:  # a stream that cannot be written (output redirected to a full disk), even by --help
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or "--debug" in sys.argv:
+            raise
+        from tformer_cli.render import error_lines
+
+        error_lines(f"a write failed ({exc.strerror}): free space on the disk and run the command again")
+        sys.exit(1)
     except SystemExit as done:
         parallel = sys.modules.get("tformer_cli.parallel")  # imported by `train` alone
         if parallel is not None and parallel.left_group and done.code in (0, None):
