@@ -158,10 +158,10 @@ def not_a_data_file(path: Path | str) -> str | None:
 
 def _check_files(files: list[str]) -> None:
     for path in files:
-        problem = not_a_data_file(path)
-        if problem == "no such file":
+        if not Path(path).exists():
             raise DataError(f"data file not found: {path}; fix data.data_files (paths are relative to the "
                             "current directory)")
+        problem = not_a_data_file(path)
         if problem:
             raise DataError(f"{path}: {problem}")
         if Path(path).stat().st_size == 0:
