@@ -150,7 +150,7 @@ def not_a_data_file(path: Path | str) -> str | None:
     if path.is_file():
         return None
     if path.is_dir():
-        return "is a folder; name its files, or pass the folder as data.dataset"
+        return "is a folder; name its files"
     if path.exists():
         return "is not a regular file (a pipe, say); write the data to a file first (.gz files are read as they are)"
     return "no such file"
@@ -163,7 +163,8 @@ def _check_files(files: list[str]) -> None:
                             "current directory)")
         problem = not_a_data_file(path)
         if problem:
-            raise DataError(f"{path}: {problem}")
+            folder = " in data.data_files, or set data.dataset to the folder" if Path(path).is_dir() else ""
+            raise DataError(f"{path}: {problem}{folder}")
         if Path(path).stat().st_size == 0:
             raise DataError(f"{path}: the file is empty; point data.data_files (or --data-files) at the data")
 
