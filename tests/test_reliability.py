@@ -258,6 +258,22 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_files(tmp_path, monkeyp
     assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
 
 
+def test_a_run_that_cannot_write_its_first_checkpoint_says_what_to_fix_and_to_run_again(tmp_path, monkeypatch):
+    import tformer_cli.runtime as runtime
+
+    def read_only(model, filename, *args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(runtime, "save_model", read_only)
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 2, "save_every": 1})
+    result = _train(config, "--output-dir", tmp_path / "run")
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert ("Read-only file system); nothing was replaced; no checkpoint was written yet: make the folder writable, "
+            "then run the command again") in " ".join(result.stderr.split())
+    monkeypatch.undo()
+    assert _train(config, "--output-dir", tmp_path / "run").exit_code == 0  # as it said: the same command
+
+
 def test_a_disk_full_when_figures_are_logged_is_one_line_naming_the_checkpoint_to_resume_from(tmp_path, monkeypatch):
     config = write_config(tmp_path / "t.yaml", train={"max_steps": 6, "save_every": 2, "log_every": 1})
     run = tmp_path / "run"
@@ -272,7 +288,9 @@ def test_a_disk_full_when_figures_are_logged_is_one_line_naming_the_checkpoint_t
     result = _train(config, "--output-dir", run)
     assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
     assert f"could not write {run / 'metrics.jsonl'}" in result.stderr
-    assert f"step-00000002, is intact: once there is room, resume with tformer train --resume {run}" in result.stderr
+    assert ("the records before are intact; the last checkpoint, step-00000002, is intact: free space on the disk, "
+            f"then resume with tformer train --resume {run}") in " ".join(result.stderr.split())
+    assert "another folder" not in result.stderr  # a run continues where it is
     monkeypatch.undo()
     assert _train("--resume", run).exit_code == 0
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]

@@ -56,17 +56,24 @@ def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
         raise
 
 
-def write_failed(path: Path, exc: BaseException, outcome: str) -> CheckpointError:
+class WriteFailed(CheckpointError):
+    """A write that failed: ``path``, its ``cause``, what became of the file (``outcome``) and the
+    ``fix`` its cause calls for, which a caller that knows more (a run: resume once fixed) can reword."""
+
+    def __init__(self, path: Path, cause: str, outcome: str, fix: str, elsewhere: bool) -> None:
+        self.path, self.cause, self.outcome, self.fix = path, cause, outcome, fix
+        super().__init__(f"could not write {path} ({cause}); {outcome}: {fix}"
+                         + (" or pick another folder" if elsewhere else ""))
+
+
+def write_failed(path: Path, exc: BaseException, outcome: str) -> WriteFailed:
     """The one-line error for a failed write of ``path``: the cause, ``outcome`` (what became of the
     file), and what to do, most often (torch's and safetensors' errors hide the errno) about a full disk."""
     code = error_number(exc)
     if code == errno.EISDIR:
-        remedy = "that is a folder; name a file"
-    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        remedy = "make the folder writable or pick another folder"
-    else:
-        remedy = "free space on the disk or pick another folder"
-    return CheckpointError(f"could not write {path} ({first_line(exc)}); {outcome}: {remedy}")
+        return WriteFailed(path, first_line(exc), outcome, "that is a folder; name a file", elsewhere=False)
+    fix = "make the folder writable" if code in (errno.EACCES, errno.EPERM, errno.EROFS) else "free space on the disk"
+    return WriteFailed(path, first_line(exc), outcome, fix, elsewhere=True)
 
 
 def error_number(exc: BaseException) -> int | None:

@@ -25,6 +25,7 @@ from tformer_cli.devices import autocast, matmul_peak, memory_mib, resolve_devic
 from tformer_cli.encoding import EncodedSplit, resegment
 from tformer_cli.errors import CheckpointError, DivergedError, UsageError
 from tformer_cli.evaluation import Seq2SeqLoss, evaluate_loss, label_smoothed_loss, validation_rows
+from tformer_cli.files import WriteFailed
 from tformer_cli.optim import cosine_horizon, learning_rate
 from tformer_cli.parallel import Workers, gathered, gradient_sync, local, optimizer_state
 from tformer_cli.params import train_flops_per_token
@@ -373,8 +374,8 @@ def _writing(run_dir: Path):
     """A failed write of the run (a full disk, say) names the checkpoint that is intact and how to resume."""
     try:
         yield
-    except CheckpointError as exc:
+    except WriteFailed as exc:
         last = step_checkpoints(run_dir)
-        kept = (f"the last checkpoint, {last[-1].name}, is intact: once there is room, resume with tformer train "
-                f"--resume {run_dir}") if last else "no checkpoint was written yet"
-        raise CheckpointError(f"{exc}; {kept}") from exc
+        then = (f"the last checkpoint, {last[-1].name}, is intact: {exc.fix}, then resume with tformer train "
+                f"--resume {run_dir}") if last else f"no checkpoint was written yet: {exc.fix}, then run the command again"
+        raise CheckpointError(f"could not write {exc.path} ({exc.cause}); {exc.outcome}; {then}") from exc
