@@ -54,6 +54,39 @@ def test_every_command_has_help_with_examples_that_use_its_own_options(command):
             assert option in panels, (command, option)
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_options_help_shows_its_brackets(command):
+    """Help is Rich markup: a bracket that is text, as in pip install 'tformer[ctranslate2]', must be
+    escaped, or Rich takes it for a style and drops it."""
+    from rich.text import Text
+
+    for param in typer.main.get_command(app).commands[command].params:
+        shown = Text.from_markup(getattr(param, "help", None) or "").plain
+        assert shown.count("[") == shown.count("]") == (param.help or "").count("]"), (command, param.name, shown)
+
+
+def test_paths_and_texts_with_brackets_are_printed_as_they_are(run_dir, tmp_path):
+    """Rich reads [word] as a style and [/] as its end: a run folder, a file or a sentence that holds
+    them is shown verbatim, never restyled, cut or a traceback."""
+    run = tmp_path / "sweep[red]" / "lr[bold]"
+    shutil.copytree(run_dir, run)
+
+    def shows(expected: str, *args: str) -> bool:  # white space aside: a table's title wraps long paths
+        result = runner.invoke(app, [*args], env={"COLUMNS": "400", "NO_COLOR": "1"})
+        assert result.exit_code == 0, result.output
+        return "".join(expected.split()) in "".join(result.output.split())
+
+    assert shows(f"{run} · test · beam 1", "eval", str(run), "--max-samples", "2", "--beam", "1")
+    assert shows(f"-> {tmp_path / 'avg[x]'}", "average", str(run), "--last", "2", "--output", str(tmp_path / "avg[x]"))
+    assert shows(f"saved {tmp_path / 'c[i].png'}", "plot", str(run), "--output", str(tmp_path / "c[i].png"))
+    assert shows(f"-> {tmp_path / 'e[b]'}", "export", str(run), str(tmp_path / "e[b]"))
+    assert shows("source seven [/] [dim]one", "inspect-attention", str(run), "seven [/] [dim]one")
+    assert shows(f"saved {tmp_path / 'a[b].png'}", "inspect-attention", str(run), "seven", "--save",
+                 str(tmp_path / "a[b].png"))
+    assert shows(f"training {run} on cpu, resumed at step 30", "train", "--resume", str(run), "--set",
+                 "train.max_steps=31")
+
+
 def test_train_json_summary_and_resume_refusal(run_dir, tmp_path):
     result = runner.invoke(app, ["train", "--resume", str(run_dir), "--set", "train.max_steps=31", "--json"])
     assert result.exit_code == 0, result.output

@@ -181,6 +181,8 @@ def inspect_attention(
       tformer inspect-attention runs/demo "three hundred forty-two" --layer 2 --head all
       tformer inspect-attention runs/demo "twenty-one" --kind encoder --save attention.png
     """
+    from rich.text import Text
+
     from tformer_cli.devices import resolve_device
     from tformer_cli.introspect import capture_attention, maps_to_json, select_maps
     from tformer_cli.render import console, print_json, warn
@@ -201,10 +203,10 @@ def inspect_attention(
     if json_output:
         print_json(maps_to_json(capture, kind, maps))
         return
-    console.print(f"[bold]source[/] {source}\n[bold]target[/] {capture.target_text}", highlight=False)
+    console.print(Text.assemble(("source", "bold"), f" {source}\n", ("target", "bold"), f" {capture.target_text}"))
     print_maps(maps, console, values)
     if save is not None:
-        console.print(f"[dim]saved {save}[/]")
+        console.print(f"saved {save}", style="dim", markup=False, highlight=False)
 
 
 @app.command()
@@ -237,7 +239,7 @@ def average(
     if json_output:
         print_json({"checkpoint": str(folder), "averaged": [c.name for c in chosen]})
     else:
-        console.print(f"averaged {', '.join(c.name for c in chosen)} -> {folder}", highlight=False)
+        console.print(f"averaged {', '.join(c.name for c in chosen)} -> {folder}", markup=False, highlight=False)
 
 
 @app.command()
@@ -267,7 +269,7 @@ def plot(
         print_json({"image": str(path), "train_points": splits.count("train"),
                     "validation_points": splits.count("validation")})
     else:
-        console.print(f"saved {path}", highlight=False)
+        console.print(f"saved {path}", markup=False, highlight=False)
 
 
 @app.command()
@@ -311,7 +313,7 @@ def export(
         print_json({"folder": str(folder), "format": to, "quantization": quantization, "pushed_to": push_to_hub})
     else:
         console.print(f"exported {loaded.weights} -> {folder}" + (f" (and {push_to_hub} on the Hub)" if push_to_hub
-                                                                  else ""), highlight=False)
+                                                                  else ""), markup=False, highlight=False)
 
 
 def _push(folder: Path, repo: str) -> None:

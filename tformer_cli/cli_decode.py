@@ -32,7 +32,7 @@ MbrCandidatesOpt = Annotated[str, typer.Option(
 EpsilonOpt = Annotated[Optional[float], typer.Option(
     help="Sample only tokens of at least this probability (default: 0, off; 0.02 for --mbr's samples).")]
 EngineOpt = Annotated[str, typer.Option(
-    help="tformer | ctranslate2: the decoder that runs the model (ctranslate2: pip install 'tformer[ctranslate2]'; "
+    help="tformer | ctranslate2: the decoder that runs the model (ctranslate2: pip install 'tformer\\[ctranslate2]'; "
          "--precision int8 quantizes for it).", rich_help_panel=ADVANCED)]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Seed for reproducible samples.")]
 

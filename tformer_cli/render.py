@@ -11,7 +11,9 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # in a log file, an event is one line, however long
@@ -82,8 +84,6 @@ def param_table(summary: dict) -> None:
 
 def error_lines(message: str) -> None:
     """Each line of a TformerError as one red 'error:' line on stderr (no markup interpreted)."""
-    from rich.text import Text
-
     for line in message.splitlines() or [message]:
         err_console.print(Text.assemble(("error: ", "bold red"), (line, "red")), soft_wrap=True)
 
@@ -104,7 +104,7 @@ class TrainProgress:
         getattr(self, f"_on_{event}", lambda d: None)(data)
 
     def _on_setup(self, data: dict[str, Any]) -> None:
-        err_console.print(f"[dim]{data['message']}…[/]")
+        err_console.print(f"{data['message']}…", style="dim", markup=False)
 
     def _on_warning(self, data: dict[str, Any]) -> None:
         warn(data["message"])
@@ -118,7 +118,7 @@ class TrainProgress:
         dropped = data["dropped_long"] + data["dropped_empty"]
         device = f"{data['device']} ({data['processes']} processes)" if data["processes"] > 1 else data["device"]
         err_console.print(
-            f"[bold]training[/] {data['run_dir']} on {device}{resumed}: "
+            f"[bold]training[/] {escape(str(data['run_dir']))} on {device}{resumed}: "
             f"{human(data['parameters'])} parameters, "
             f"vocabulary {data['vocab_size']:,}, {data['train_pairs']:,} training pairs "
             f"({dropped:,} dropped: {data['dropped_long']:,} too long, {data['dropped_empty']:,} empty; "
@@ -168,7 +168,7 @@ class TrainProgress:
     def _on_end(self, data: dict[str, Any]) -> None:
         self.close()
         state = data["state"]
-        table = Table(title=f"training finished: {data['stop_reason']}", title_justify="left", box=box.SIMPLE_HEAD)
+        table = Table(title=Text(f"training finished: {data['stop_reason']}"), title_justify="left", box=box.SIMPLE_HEAD)
         table.add_column("figure")
         table.add_column("value", justify="right")
         table.add_row("steps", f"{state['step']:,}")
@@ -188,8 +188,6 @@ class TrainProgress:
 
 
 def warn(message: str) -> None:
-    from rich.text import Text
-
     err_console.print(Text.assemble(("warning: ", "bold yellow"), message), soft_wrap=True)
 
 
@@ -199,7 +197,7 @@ def eval_table(result: dict[str, Any]) -> None:
         candidates = "samples" if result["mbr_candidates"] == "sample" else "beam hypotheses"
         search = f"MBR over {result['mbr']} {candidates} ({result['mbr_metric']})"
     models = f" + {len(result['ensemble']) - 1} more (ensemble)" if result.get("ensemble") else ""
-    table = Table(title=f"{result['run']}{models} · {result['split']} · {search}", title_justify="left",
+    table = Table(title=Text(f"{result['run']}{models} · {result['split']} · {search}"), title_justify="left",
                   box=box.SIMPLE_HEAD)
     table.add_column("metric")
     table.add_column("value", justify="right")
