@@ -165,6 +165,43 @@ def attention_backends(text: str) -> list[SDPBackend]:
     return [names[name] for name in filter(None, text.split(","))]
 
 
+def profile_decoding(args: argparse.Namespace, size: systems.Size, device: torch.device, autocast) -> None:  # noqa: ANN001
+    """A greedy and a beam-4 batch of paper-scale decoding: a step at a time and as CUDA graphs, under
+    autocast and (on a GPU) with the model held in bf16. The model is freed on return, before training."""
+    systems.HOLD_FOR_DECODING = False  # autocast first; then the model held in bf16
+    decoder = systems.Tformer(size, device)
+    decodes = []  # (workload, one batch of it decoded)
+    workloads = () if args.no_decode else (("greedy", 8192, 1), ("beam 4", 2048, 4))
+    for label, batch_tokens, beams in workloads:  # as --scale paper batches them
+        sources = systems.paper_sources(size, args.sentences, batch_tokens, device)
+        src, new_tokens = sources[len(sources) // 2]  # a batch of middling length
+
+        def decode(src=src, new_tokens=new_tokens, beams=beams):
+            with autocast(), torch.no_grad():
+                if beams == 1:
+                    decoder.greedy(src, new_tokens)
+                else:
+                    decoder.beam(src, new_tokens, beams)
+
+        decodes.append((f"{label}, {src.shape[0]} sources of {src.shape[1]} tokens, {new_tokens} new tokens", decode))
+    for workload, decode in decodes:
+        if device.type == "cuda":  # the plain loop first: the speed layer's CUDA graphs left out
+            graphs.enable(False)
+            measure(f"{workload}, a step at a time (--accel-skip graphs)", decode, device, steps=2, warmup=1)
+            graphs.enable(True)
+        measure(workload, decode, device, steps=2, warmup=1)
+        if device.type == "cuda" and args.direct_capture:
+            recorded_by_torch, graphs._record = graphs._record, record_directly
+            try:
+                measure(f"{workload}, graphs recorded directly (--direct-capture)", decode, device, steps=2, warmup=1)
+            finally:
+                graphs._record = recorded_by_torch
+    if device.type == "cuda":  # held in bf16, as `tformer eval --precision bf16` decodes: no autocast casts
+        systems.HOLD_FOR_DECODING = True
+        for workload, decode in decodes:
+            measure(f"{workload}, the model in bf16", decode, device, steps=2, warmup=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -194,36 +231,7 @@ def main() -> None:
     print(f"{size.name} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
     systems.ACCEL_SKIP = ()
     systems.PRECISION = "bf16" if device.type == "cuda" else "fp32"
-    systems.HOLD_FOR_DECODING = False  # autocast first; then the model held in bf16
-    decoder = systems.Tformer(size, device)
-    decodes = []  # (workload, one batch of it decoded)
-    workloads = () if args.no_decode else (("greedy", 8192, 1), ("beam 4", 2048, 4))
-    for label, batch_tokens, beams in workloads:  # as --scale paper batches them
-        sources = systems.paper_sources(size, args.sentences, batch_tokens, device)
-        src, new_tokens = sources[len(sources) // 2]  # a batch of middling length
-
-        def decode(src=src, new_tokens=new_tokens, beams=beams):
-            with autocast(), torch.no_grad():
-                decoder.greedy(src, new_tokens) if beams == 1 else decoder.beam(src, new_tokens, beams)
-
-        decodes.append((f"{label}, {src.shape[0]} sources of {src.shape[1]} tokens, {new_tokens} new tokens", decode))
-    for workload, decode in decodes:
-        if device.type == "cuda":  # the plain loop first: the speed layer's CUDA graphs left out
-            graphs.enable(False)
-            measure(f"{workload}, a step at a time (--accel-skip graphs)", decode, device, steps=2, warmup=1)
-            graphs.enable(True)
-        measure(workload, decode, device, steps=2, warmup=1)
-        if device.type == "cuda" and args.direct_capture:
-            recorded_by_torch, graphs._record = graphs._record, record_directly
-            try:
-                measure(f"{workload}, graphs recorded directly (--direct-capture)", decode, device, steps=2, warmup=1)
-            finally:
-                graphs._record = recorded_by_torch
-    if device.type == "cuda":  # held in bf16, as `tformer eval --precision bf16` decodes: no autocast casts
-        systems.HOLD_FOR_DECODING = True
-        for workload, decode in decodes:
-            measure(f"{workload}, the model in bf16", decode, device, steps=2, warmup=1)
-    del decoder
+    profile_decoding(args, size, device, autocast)
     if args.no_train:
         return
     batches = systems.paper_batches(size, args.tokens, args.steps, device)

@@ -42,6 +42,8 @@ from tformer_cli.errors import UsageError
 from tformer_cli.model.attention import ScaledDotProductAttention
 from tformer_cli.model.layers import PositionwiseFeedForward
 
+__all__ = ["MODES", "PIECES", "CUDA_PIECES", "accelerate", "build_decoding_kernels", "build_kernels", "check_mode",
+           "tune_runtime", "widen_kernel_cache"]
 MODES = ("auto", "off")
 # what ``skip`` may leave out, to measure each
 PIECES = ("linear", "gemm", "dropout", "attention", "runtime", "loss", "graphs")
