@@ -62,7 +62,8 @@ def eval_command(
     beam_size: BeamOpt = None,
     output: Annotated[Optional[Path], typer.Option(help="Write hypotheses here, one a line, in input order.")] = None,
     data_files: Annotated[Optional[list[Path]], typer.Option(
-        help="Evaluate these files instead (jsonl/csv/parquet, or source + target text files).")] = None,
+        help="Evaluate these files instead: jsonl/csv/parquet, or a source and a reference text file, the option "
+             "given once per file (--data-files src.txt --data-files ref.txt).")] = None,
     source_field: Annotated[Optional[str], typer.Option(help="Source field of --data-files.")] = None,
     target_field: Annotated[Optional[str], typer.Option(help="Target field of --data-files.")] = None,
     max_samples: Annotated[Optional[int], typer.Option(help="Only the first N pairs.")] = None,
