@@ -157,20 +157,65 @@ def test_generate_from_arguments_and_stdin_one_line_per_input(run_dir):
     assert marked.exit_code == 0 and marked.stdout == args.stdout.splitlines()[0] + "\n"
 
 
-def test_generate_translates_each_line_typed_at_a_terminal_and_piped_lines_in_batches(run_dir, monkeypatch):
-    import tformer_cli.cli_decode as cli_decode
+def test_generate_translates_the_lines_that_have_arrived_in_one_batch(run_dir, monkeypatch):
     import tformer_cli.decoding as decoding
 
     batches = []
     translate = decoding.translate
     monkeypatch.setattr(decoding, "translate", lambda model, vocab, texts, *rest: batches.append(len(texts))
                         or translate(model, vocab, texts, *rest))
-    lines = "seven\neight\nnine\n"
-    piped = runner.invoke(app, ["generate", str(run_dir)], input=lines)
-    assert piped.exit_code == 0 and batches == [3]
-    monkeypatch.setattr(cli_decode, "_at_terminal", lambda stream: True)
-    typed = runner.invoke(app, ["generate", str(run_dir)], input=lines)
-    assert typed.stdout == piped.stdout and batches == [3, 1, 1, 1]
+    piped = runner.invoke(app, ["generate", str(run_dir), "--batch-size", "2"], input="seven\neight\nnine\n")
+    assert piped.exit_code == 0 and len(piped.stdout.splitlines()) == 3 and batches == [2, 1]
+
+
+def test_input_lines_come_in_batches_of_what_has_arrived(tmp_path):
+    """A pipe's lines are batched up to what it holds, so that a line sent alone is answered before
+    the next is written; a file's are batched by size alone."""
+    from tformer_cli.cli_decode import _chunks
+    from tformer_cli.cli_options import InputLines
+
+    read, write = os.pipe()
+    with open(read, "rb", buffering=0) as stream:
+        lines = InputLines(stream)
+        chunks = _chunks(lines, 64, lines.waiting)
+        os.write(write, "\ufeffseven\r\neight\nni".encode())
+        os.write(write, b"ne\n")
+        assert next(chunks) == ["seven", "eight", "nine"]  # the rest of the pipe has yet to come
+        os.write(write, b"ten\n")
+        assert next(chunks) == ["ten"]
+        os.write(write, b"eleven\ntwelve")  # the last line without its end
+        os.close(write)
+        assert list(chunks) == [["eleven", "twelve"]]
+    text = tmp_path / "lines.txt"
+    text.write_bytes(b"a\nb\nc\n\xff\n")
+    with open(text, "rb") as stream:
+        lines = InputLines(stream)
+        chunks = _chunks(lines, 2, lines.waiting)
+        assert next(chunks) == ["a", "b"]
+        with pytest.raises(UsageError, match="standard input, line 4: not UTF-8 text"):
+            next(chunks)
+
+
+def test_generate_answers_a_program_line_by_line_over_a_pipe(trained_run):
+    """A program that writes a line and waits for its translation (a pipe held open) gets it."""
+    import select
+
+    process = subprocess.Popen([sys.executable, "-m", "tformer_cli", "generate", str(trained_run)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        answers = []
+        for line in (b"seven\n", b"eight\n"):
+            process.stdin.write(line)
+            process.stdin.flush()
+            ready, _, _ = select.select([process.stdout], [], [], 60)
+            assert ready, "no answer while the input stays open"
+            answers.append(process.stdout.readline().decode().rstrip("\n"))
+        process.stdin.close()
+        assert process.wait(60) == 0 and process.stdout.read() == b""
+    finally:
+        process.kill()
+    expected = runner.invoke(app, ["generate", str(trained_run), "seven", "eight"]).stdout.splitlines()
+    assert answers == expected
 
 
 def test_generate_refuses_beam_search_with_sampling(run_dir):

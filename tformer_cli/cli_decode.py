@@ -3,14 +3,15 @@ they share beyond those in cli_options.py: ensembles, repetition control, minimu
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from tformer_cli.cli_options import (
-    ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, JsonOpt, PrecisionOpt, RunArg,
-    check_decoding_flags, check_text, load_for_decoding, stdin_lines)
+    ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, InputLines, JsonOpt, PrecisionOpt, RunArg,
+    check_decoding_flags, check_text, load_for_decoding)
 from tformer_cli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -222,15 +223,13 @@ def generate(
         mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
     size = sentences_per_batch(options, batch_size or loaded.config.decode.batch_size)
     if texts:
-        inputs = ((text, prefix) for text in texts)
-    elif json_input:
-        inputs = json_lines(stdin_lines(sys.stdin.buffer), prefix, loaded.vocab)
-    else:
-        inputs = ((text, prefix) for text in stdin_lines(sys.stdin.buffer))
-    # typed at a terminal, each line is translated when it is entered; piped, lines go in batches
-    chunk_size = len(texts) if texts else 1 if _at_terminal(sys.stdin) else size
+        inputs, chunk_size, waiting = ((text, prefix) for text in texts), len(texts), None
+    else:  # a batch holds the lines there are, up to its size: a line typed or sent alone is answered at once
+        lines = InputLines(sys.stdin.buffer)
+        inputs = json_lines(lines, prefix, loaded.vocab) if json_input else ((text, prefix) for text in lines)
+        chunk_size, waiting = size, lines.waiting
     number = 0
-    for chunk in _chunks(inputs, chunk_size):
+    for chunk in _chunks(inputs, chunk_size, waiting):
         prefixes = [p or "" for _, p in chunk]
         sources, prefixes = [text for text, _ in chunk], prefixes if any(prefixes) else None
         if ct2 is not None:
@@ -310,15 +309,12 @@ def json_lines(lines, default_prefix: str | None, vocab: Vocabulary):
         yield record["input"], record.get("prefix", default_prefix)
 
 
-def _at_terminal(stream) -> bool:
-    return stream.isatty()
-
-
-def _chunks(lines, size: int):
+def _chunks(items: Iterable, size: int, waiting: Callable[[], bool] | None = None) -> Iterator[list]:
+    """Lists of up to ``size`` items; a shorter one where ``waiting()`` says the next item has yet to come."""
     chunk = []
-    for line in lines:
-        chunk.append(line)
-        if len(chunk) >= size:
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size or (waiting is not None and waiting()):
             yield chunk
             chunk = []
     if chunk:
