@@ -8,7 +8,10 @@ changed. Cache entries, which are rebuilt rather than refused, are in test_relia
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -372,11 +375,17 @@ def _snapshot(folder: Path) -> dict[str, str]:
 
 def test_a_pipe_as_a_data_file_is_one_line(tmp_path, trained_run):
     """datasets reads a file by its name, more than once: ``--data-files <(zcat test.jsonl.gz)`` cannot work."""
-    import os
-
     pipe = tmp_path / "fifo.jsonl"
     os.mkfifo(pipe)  # never opened: the check looks at what it is
     result = CliRunner().invoke(app, ["eval", str(trained_run), "--data-files", str(pipe)])
     assert result.exit_code == 1 and result.stderr.strip() == (
         f"error: --data-files {pipe}: is not a regular file (a pipe, say); write the data to a file first (.gz files "
         "are read as they are)")
+
+
+def test_generate_with_standard_input_closed_is_one_line(trained_run):
+    """``tformer generate RUN <&-``: no stream at all where the lines would come from."""
+    result = subprocess.run([sys.executable, "-m", "tformer_cli", "generate", str(trained_run)], stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, preexec_fn=lambda: os.close(0))
+    assert result.returncode == 1 and result.stderr.strip() == (
+        "error: standard input is closed: give the texts as arguments, or pipe lines in")

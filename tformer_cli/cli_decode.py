@@ -3,6 +3,7 @@ they share beyond those in cli_options.py: ensembles, repetition control, minimu
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -187,8 +188,6 @@ def generate(
       tformer generate runs/demo "twenty-one" --prefix "einund" --align
       tformer generate runs/demo "twenty-one" --engine ctranslate2 --precision int8
     """
-    import sys
-
     from tformer_cli.accel import check_mode
     from tformer_cli.ctranslate2_engine import CTranslate2Engine, check_engine
     from tformer_cli.decoding import DecodeOptions, sentences_per_batch, translate
@@ -256,6 +255,8 @@ def _check_generate_flags(texts: list[str], prefix: str | None, sample: bool, be
                          "--sample, or use --mbr-candidates sample")
     if json_input and texts:
         raise UsageError("--json-input reads standard input; drop the TEXTS arguments")
+    if not texts and sys.stdin is None:  # closed by the shell (<&-)
+        raise UsageError("standard input is closed: give the texts as arguments, or pipe lines in")
     check_text("--prefix", prefix)
     for text in texts:
         check_text("TEXTS", text)
