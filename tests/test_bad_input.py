@@ -389,3 +389,10 @@ def test_generate_with_standard_input_closed_is_one_line(trained_run):
                             capture_output=True, text=True, preexec_fn=lambda: os.close(0))
     assert result.returncode == 1 and result.stderr.strip() == (
         "error: standard input is closed: give the texts as arguments, or pipe lines in")
+
+
+def test_output_closed_is_discarded_as_print_discards_it(trained_run):
+    """``tformer generate RUN TEXT >&-``: no traceback; what would have been printed is dropped."""
+    result = subprocess.run([sys.executable, "-m", "tformer_cli", "generate", str(trained_run), "seven"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))
+    assert result.returncode == 0 and result.stderr == ""

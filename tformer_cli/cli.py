@@ -6,6 +6,7 @@ Heavy imports (torch, datasets) happen inside command bodies so that `tformer --
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import sys
 from pathlib import Path
@@ -371,6 +372,10 @@ def count_params(
 def main() -> None:
     # SIGTERM (a scheduler's or a container's stop) is handled like Ctrl-C: one line and exit status 143
     signal.signal(signal.SIGTERM, _terminate)
+    if sys.stdout is None:  # closed by the shell (>&-): what would go there is discarded, as print() does
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")
+    if sys.stderr is None:  # (2>&-) messages too; the exit status still tells
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")
     for stream in (sys.stdout, sys.stderr):  # text in is UTF-8 (cli_options.check_text), so is text out,
         if hasattr(stream, "reconfigure") and (stream.encoding or "").lower() not in ("utf-8", "utf8"):
             stream.reconfigure(encoding="utf-8")  # whatever the locale: ASCII's or a Windows code page
