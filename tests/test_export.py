@@ -1,6 +1,7 @@
 """`tformer export --to hf`: the Marian model that transformers loads gives tformer's logits and outputs."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +84,39 @@ def test_what_marian_cannot_express_is_refused_in_one_line(trained_run, tmp_path
     assert len(result.output.strip().splitlines()) == 1 and (tmp_path / "taken" / "keep.txt").read_text() == "mine"
     other = runner.invoke(app, ["export", str(trained_run), str(tmp_path / "x"), "--to", "onnx"])
     assert other.exit_code == 1 and "--to onnx" in other.output
+
+
+def test_push_to_hub_uploads_the_exported_folder_and_a_failure_keeps_it(trained_run, tmp_path, monkeypatch):
+    """The Hub cannot be reached here: its client is replaced by one that records what it was asked."""
+    import huggingface_hub
+
+    calls = []
+
+    class Hub:
+        def create_repo(self, repo, exist_ok=False):
+            calls.append(("create", repo, exist_ok))
+
+        def upload_folder(self, repo_id, folder_path):
+            calls.append(("upload", repo_id, sorted(p.name for p in Path(folder_path).iterdir())))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Hub)
+    pushed = runner.invoke(app, ["export", str(trained_run), str(tmp_path / "hf"), "--push-to-hub", "me/demo", "--json"])
+    assert pushed.exit_code == 0, pushed.output
+    assert json.loads(pushed.stdout)["pushed_to"] == "me/demo"
+    assert calls == [("create", "me/demo", True), ("upload", "me/demo", sorted(p.name for p in (tmp_path / "hf").iterdir()))]
+
+    class Offline(Hub):
+        def create_repo(self, repo, exist_ok=False):
+            raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
+    failed = runner.invoke(app, ["export", str(trained_run), str(tmp_path / "hf2"), "--push-to-hub", "me/demo"])
+    assert failed.exit_code == 1 and failed.stderr.strip() == (
+        f"error: --push-to-hub me/demo: [Errno -2] Name or service not known; the export is in {tmp_path / 'hf2'}")
+    assert (tmp_path / "hf2" / "model.safetensors").is_file()
+    refused = runner.invoke(app, ["export", str(trained_run), str(tmp_path / "ct2"), "--to", "ctranslate2",
+                                  "--push-to-hub", "me/demo"])
+    assert refused.exit_code == 1 and "only --to hf exports a Hub model" in refused.stderr
 
 
 def _ct2_greedy(folder, vocab, texts, steps):
