@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -18,6 +19,11 @@ from tformer_cli.batching import Batch, collate, token_batches
 from tformer_cli.encoding import EncodedSplit
 from tformer_cli.ensemble import Ensemble, as_ensemble
 from tformer_cli.loss import linear_smoothed_cross_entropy
+
+if TYPE_CHECKING:
+    from tformer_cli.config import DataConfig
+    from tformer_cli.decoding import DecodeOptions
+    from tformer_cli.tokenizer import Vocabulary
 
 
 def label_smoothed_loss(model: torch.nn.Module, batch: Batch, smoothing: float,
@@ -170,8 +176,9 @@ def _validation_search(decode_cfg):
     return DecodeOptions(beam_size=1, max_len_a=decode_cfg.max_len_a, max_len_b=decode_cfg.max_len_b)
 
 
-def evaluate_run(model: torch.nn.Module | Ensemble, vocab, data_cfg, split: str, options, batch_size: int | None,
-                 max_tokens: int, device: torch.device | str = "cpu", batch_multiple: int = 1) -> dict:
+def evaluate_run(model: torch.nn.Module | Ensemble, vocab: Vocabulary, data_cfg: DataConfig, split: str,
+                 options: DecodeOptions, batch_size: int | None, max_tokens: int,
+                 device: torch.device | str = "cpu", batch_multiple: int = 1) -> dict:
     """Teacher-forced loss and perplexity, then decoding: BLEU (cased and lowercased), chrF, exact match
     and speed, on one split. Returns the figures and the hypotheses in input order."""
     import time
