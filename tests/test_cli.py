@@ -87,6 +87,35 @@ def test_paths_and_texts_with_brackets_are_printed_as_they_are(run_dir, tmp_path
                  "train.max_steps=31")
 
 
+def test_images_show_paths_and_tokens_with_dollar_signs_as_text(run_dir, tmp_path, monkeypatch):
+    """matplotlib typesets $...$ as mathematics: a run folder or a sentence holding a pair of them must
+    be drawn as written, not typeset, nor (with a backslash) fail to typeset."""
+    import tformer_cli.render_attention as render_attention
+    import tformer_cli.render_curves as render_curves
+
+    texts = []  # what the images hold that came from the user: the curves' title, the maps' tokens and titles
+
+    def keeping(write, user_texts):
+        def keep(figure, path, dpi):
+            texts.extend(user_texts(figure))
+            write(figure, path, dpi)
+        return keep
+
+    monkeypatch.setattr(render_curves, "write_figure", keeping(render_curves.write_figure, lambda figure: figure.texts))
+    monkeypatch.setattr(render_attention, "write_figure", keeping(
+        render_attention.write_figure,
+        lambda figure: [t for ax in figure.axes if ax.get_label() != "<colorbar>"
+                        for t in (*ax.get_xticklabels(), *ax.get_yticklabels(), ax.title)]))
+    run = tmp_path / "run$\\foo$"
+    shutil.copytree(run_dir, run)
+    plotted = runner.invoke(app, ["plot", str(run), "--output", str(tmp_path / "curves.png")])
+    assert plotted.exit_code == 0, plotted.output
+    saved = runner.invoke(app, ["inspect-attention", str(run), "seven $\\foo$ $x^$", "--save", str(tmp_path / "a.png")])
+    assert saved.exit_code == 0, saved.output
+    assert texts[0].get_text() == str(run) and len(texts) > 5
+    assert not any(t.get_parse_math() for t in texts)
+
+
 def test_train_json_summary_and_resume_refusal(run_dir, tmp_path):
     result = runner.invoke(app, ["train", "--resume", str(run_dir), "--set", "train.max_steps=31", "--json"])
     assert result.exit_code == 0, result.output

@@ -124,9 +124,10 @@ def save_image(maps: list[AttentionMap], path: Path) -> None:
     for amap in maps:
         ax = axes[layers.index(amap.layer)][heads.index(amap.head)]
         image = ax.imshow(amap.weights.numpy(), cmap="viridis", vmin=0.0, aspect="auto")
-        ax.set_xticks(range(len(amap.columns)), amap.columns, rotation=90, fontsize=8)
-        ax.set_yticks(range(len(amap.rows)), amap.rows, fontsize=8)
-        ax.set_title(amap.title, fontsize=9)
+        # tokens are text: parse_math off, or a $ pair would be typeset as mathematics (or fail to)
+        ax.set_xticks(range(len(amap.columns)), amap.columns, rotation=90, fontsize=8, parse_math=False)
+        ax.set_yticks(range(len(amap.rows)), amap.rows, fontsize=8, parse_math=False)
+        ax.set_title(amap.title, fontsize=9, parse_math=False)
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
     write_figure(fig, path, dpi=150)
