@@ -37,6 +37,11 @@ def test_overrides_are_typed_by_the_schema():
     assert isinstance(cfg.train.max_time, float)
     with pytest.raises(ConfigError, match=r"train.lr: expected a number, got 'fast'"):
         load_config("configs/small.yaml", ["train.lr=fast"])
+    # unquoted text that YAML reads as another type: the message says to quote it, and quoted it is text
+    with pytest.raises(ConfigError, match=r"data.source: expected a string, got True \(YAML reads yes, no, on, off, "
+                                          r"~ and numbers as other types\); put the text in quotes"):
+        load_config("configs/small.yaml", ["data.source=yes"])
+    assert load_config("configs/small.yaml", ["data.source='yes'"]).data.source == "yes"
 
 
 def test_a_set_item_names_its_own_mistakes_and_reaches_into_mappings(tmp_path):

@@ -184,5 +184,9 @@ def check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
             return f"expected a number, got {value!r}", value
         return (None, number) if math.isfinite(number) else (f"expected a finite number, got {value!r}", value)
     if hint is str:
-        return (None, value) if isinstance(value, str) else (f"expected a string, got {value!r}", value)
+        if isinstance(value, str):
+            return None, value
+        scalar = value is None or isinstance(value, (bool, int, float))  # what YAML made of unquoted text
+        quote = " (YAML reads yes, no, on, off, ~ and numbers as other types); put the text in quotes" if scalar else ""
+        return f"expected a string, got {value!r}{quote}", value
     return None, value
