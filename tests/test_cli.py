@@ -500,3 +500,11 @@ def test_text_out_is_utf8_whatever_the_locale(trained_run, monkeypatch):
     err.flush()
     assert stop.value.code == 1
     assert "'€'" in err.buffer.getvalue().decode("utf-8")  # the character the target vocabulary lacks
+
+
+def test_json_output_is_strict_json(capsys):
+    """NaN and infinities are not JSON (jq and browsers reject them): --json prints them as null."""
+    from tformer_cli.render import print_json
+
+    print_json({"loss": float("nan"), "ppl": float("inf"), "scores": [-float("inf"), 1.5], "text": "fünf"})
+    assert capsys.readouterr().out == '{"loss": null, "ppl": null, "scores": [null, 1.5], "text": "fünf"}\n'

@@ -99,8 +99,13 @@ def write_figure(figure, path: Path, dpi: int) -> None:  # noqa: ANN001 - a matp
 
 
 def json_line(record: dict[str, Any]) -> str:
-    """One line of strict JSON: NaN and infinities, which strict parsers reject, become null."""
-    return json.dumps(_finite(record), allow_nan=False) + "\n"
+    """One line of strict JSON (``json_text``)."""
+    return json_text(record) + "\n"
+
+
+def json_text(data: Any, ascii_only: bool = True) -> str:
+    """Strict JSON: NaN and infinities, which strict parsers reject, become null."""
+    return json.dumps(_finite(data), allow_nan=False, ensure_ascii=ascii_only)
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:

@@ -5,7 +5,6 @@ Library modules return data; this module turns it into output. matplotlib is imp
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -15,13 +14,15 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from tformer_cli.files import json_text
+
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # in a log file, an event is one line, however long
 
 
 def print_json(data: Any) -> None:
-    """One JSON document on stdout, nothing else (for scripts and Makefiles)."""
-    sys.stdout.write(json.dumps(data, ensure_ascii=False) + "\n")
+    """One JSON document on stdout, nothing else (for scripts and Makefiles); strict JSON, NaN as null."""
+    sys.stdout.write(json_text(data, ascii_only=False) + "\n")
     sys.stdout.flush()
 
 
