@@ -62,6 +62,8 @@ def _config_cases() -> list[Case]:
     """The CONFIG given to train: each way a YAML file can be wrong, and each key out of range."""
     cases = [
         Case("config/missing", TRAIN, "config file not found"),
+        Case("config/folder", ["train", "{tmp}", "--output-dir", "{tmp}/out"], "is a folder; pass an existing YAML file"),
+        Case("config/device", ["train", "/dev/null", "--output-dir", "{tmp}/out"], "is not a regular file"),
         _train_with("", "config/empty", "the file is empty"),
         _train_with("# only a comment\n", "config/only-comment", "the file is empty"),
         _train_with(GOOD[: GOOD.index("vocab_size") + 10] + "[1, 2", "config/truncated", "invalid YAML"),

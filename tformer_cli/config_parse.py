@@ -26,7 +26,8 @@ def read_yaml(path: Path, sections: typing.Collection[str], seen: tuple[Path, ..
         ConfigError: a missing file, invalid YAML, a non-mapping, or a cycle of ``extends``.
     """
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found; pass an existing YAML file such as configs/base.yaml")
+        what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "config file not found"
+        raise ConfigError(f"{path}: {what}; pass an existing YAML file such as configs/base.yaml")
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'extends' forms a cycle; remove one of the extends lines")
     try:
