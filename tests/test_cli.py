@@ -87,6 +87,17 @@ def test_paths_and_texts_with_brackets_are_printed_as_they_are(run_dir, tmp_path
                  "train.max_steps=31")
 
 
+def test_a_long_run_path_stays_on_one_line_to_copy(run_dir, tmp_path):
+    """A table's title folds to the table's width, which broke a long path in two: the headings of
+    eval's and train's tables are lines of their own."""
+    run = tmp_path / ("x" * 70) / "run"
+    shutil.copytree(run_dir, run)
+    for args in (["eval", str(run), "--max-samples", "2", "--beam", "1"],
+                 ["train", "--resume", str(run), "--set", "train.max_steps=31"]):
+        result = runner.invoke(app, args, env={"COLUMNS": "80"})
+        assert result.exit_code == 0 and str(run) in result.output, result.output
+
+
 def test_images_show_paths_and_tokens_with_dollar_signs_as_text(run_dir, tmp_path, monkeypatch):
     """matplotlib typesets $...$ as mathematics: a run folder or a sentence holding a pair of them must
     be drawn as written, not typeset, nor (with a backslash) fail to typeset."""

@@ -169,7 +169,8 @@ class TrainProgress:
     def _on_end(self, data: dict[str, Any]) -> None:
         self.close()
         state = data["state"]
-        table = Table(title=Text(f"training finished: {data['stop_reason']}"), title_justify="left", box=box.SIMPLE_HEAD)
+        err_console.print(Text(f"training finished: {data['stop_reason']}"), soft_wrap=True)  # whole: paths stay one line
+        table = Table(box=box.SIMPLE_HEAD)
         table.add_column("figure")
         table.add_column("value", justify="right")
         table.add_row("steps", f"{state['step']:,}")
@@ -198,8 +199,8 @@ def eval_table(result: dict[str, Any]) -> None:
         candidates = "samples" if result["mbr_candidates"] == "sample" else "beam hypotheses"
         search = f"MBR over {result['mbr']} {candidates} ({result['mbr_metric']})"
     models = f" + {len(result['ensemble']) - 1} more (ensemble)" if result.get("ensemble") else ""
-    table = Table(title=Text(f"{result['run']}{models} · {result['split']} · {search}"), title_justify="left",
-                  box=box.SIMPLE_HEAD)
+    console.print(Text(f"{result['run']}{models} · {result['split']} · {search}"), soft_wrap=True)  # as in _on_end
+    table = Table(box=box.SIMPLE_HEAD)
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [("sentences", f"{result['sentences']:,}"), ("loss (nats/token)", f"{result['loss']:.4f}"),
