@@ -88,14 +88,17 @@ def test_paths_and_texts_with_brackets_are_printed_as_they_are(run_dir, tmp_path
 
 
 def test_a_long_run_path_stays_on_one_line_to_copy(run_dir, tmp_path):
-    """A table's title folds to the table's width, which broke a long path in two: the headings of
-    eval's and train's tables are lines of their own."""
+    """Rich folds a line to the terminal's width (80 columns in a pipe or a log), and a table's title to
+    the table's: a long path came out in pieces. Printed lines are whole, and the headings of eval's
+    and train's tables are lines of their own."""
     run = tmp_path / ("x" * 70) / "run"
     shutil.copytree(run_dir, run)
-    for args in (["eval", str(run), "--max-samples", "2", "--beam", "1"],
-                 ["train", "--resume", str(run), "--set", "train.max_steps=31"]):
+    for args, shown in ((["eval", str(run), "--max-samples", "2", "--beam", "1"], run),
+                        (["train", "--resume", str(run), "--set", "train.max_steps=31"], run),
+                        (["plot", str(run), "--output", str(run / "curves.png")], run / "curves.png"),
+                        (["average", str(run), "--last", "2"], run / "checkpoints" / "average-last-2")):
         result = runner.invoke(app, args, env={"COLUMNS": "80"})
-        assert result.exit_code == 0 and str(run) in result.output, result.output
+        assert result.exit_code == 0 and str(shown) in result.output, result.output
 
 
 def test_images_show_paths_and_tokens_with_dollar_signs_as_text(run_dir, tmp_path, monkeypatch):

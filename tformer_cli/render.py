@@ -16,7 +16,7 @@ from rich.text import Text
 
 from tformer_cli.files import json_text
 
-console = Console()
+console = Console(soft_wrap=True)  # a printed line is one line, a long path whole (tables still fit the width)
 err_console = Console(stderr=True, soft_wrap=True)  # in a log file, an event is one line, however long
 
 
