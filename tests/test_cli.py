@@ -433,6 +433,31 @@ def test_an_error_during_training_stops_the_live_progress_display(tmp_path, monk
     assert len(displays) == 1 and not displays[0].live.is_started  # stopped, so the error prints below it
 
 
+def test_the_live_line_fits_an_80_column_terminal(monkeypatch):
+    """Where Rich cannot fit the live line it cuts its columns short: at 80 columns the step count and
+    the time left were '…'. The line holds them at 100,000 steps, with a GPU's figures."""
+    import io
+
+    from rich.console import Console
+
+    import tformer_cli.render as render
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(render, "err_console", Console(file=terminal, force_terminal=True, width=80, color_system=None))
+    progress = render.TrainProgress()
+    progress("start", {"run_dir": "runs/x", "device": "cuda", "processes": 1, "resumed_at": 0, "parameters": 10,
+                       "train_pairs": 5, "validation_pairs": 0, "dropped_long": 0, "dropped_empty": 0, "truncated": 0,
+                       "steps_per_epoch": 1, "total_steps": 100_000, "vocab_size": 20, "epoch": 0, "compiled": False})
+    progress("step", {"step": 12_345, "total_steps": 100_000, "epoch": 3, "loss": 3.4561, "ppl": 31.7, "lr": 1e-3,
+                      "tokens_per_s": 413_412.0, "mfu": 0.65, "gpu_peak_mib": 42_394, "elapsed": 1234.0})
+    line = progress.progress.get_renderable()
+    progress.close()
+    shown = Console(file=io.StringIO(), width=80, color_system=None)
+    shown.print(line)
+    text = shown.file.getvalue().strip()
+    assert "12345/100000 loss 3.456 lr 1.0e-03 413,412 tok/s MFU 0.65 41.4 GiB ETA" in text and "…" not in text, text
+
+
 def test_average_and_plot_commands_on_a_run(tmp_path):
     config = write_config(tmp_path / "a.yaml", train={"max_steps": 6, "eval_every": 2, "keep_last": 3,
                                                       "eval_max_sentences": 5}, data={"max_samples": 100})

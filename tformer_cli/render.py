@@ -111,8 +111,8 @@ class TrainProgress:
         warn(data["message"])
 
     def _on_start(self, data: dict[str, Any]) -> None:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.table import Column
 
         self.start_info = data
         resumed = f", resumed at step {data['resumed_at']:,}" if data["resumed_at"] else ""
@@ -130,15 +130,17 @@ class TrainProgress:
                               "--set train.compile=false starts at once, uncompiled", highlight=False)
         if not err_console.is_terminal:  # a log file or pipe: plain lines instead of a live display
             return
+        # One line that fits 80 columns at 100,000 steps: the bar takes what the figures leave (the
+        # epoch, perplexity and elapsed time are in the log lines and the summary)
+        whole = dict(table_column=Column(no_wrap=True))
         self.progress = Progress(
-            TextColumn("ep {task.fields[epoch]}"), BarColumn(bar_width=12), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]} ppl {task.fields[ppl]} lr {task.fields[lr]} "
-                       "{task.fields[speed]} tok/s{task.fields[mfu]}{task.fields[memory]}"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console)
+            BarColumn(bar_width=None, table_column=Column(ratio=1)), MofNCompleteColumn(**whole),
+            TextColumn("loss {task.fields[loss]} lr {task.fields[lr]} {task.fields[speed]} tok/s"
+                       "{task.fields[mfu]}{task.fields[memory]}", **whole),
+            TextColumn("ETA", **whole), TimeRemainingColumn(**whole), console=err_console)
         self.progress.start()
         self.task = self.progress.add_task("train", total=data["total_steps"], completed=data["resumed_at"],
-                                           epoch=data["epoch"], loss="–", ppl="–", lr="–", speed="–", mfu="",
-                                           memory="")
+                                           loss="–", lr="–", speed="–", mfu="", memory="")
 
     def _on_step(self, data: dict[str, Any]) -> None:
         mfu = f" MFU {data['mfu']:.2f}" if "mfu" in data else ""
@@ -150,9 +152,8 @@ class TrainProgress:
                               f"ppl {data['ppl']:.2f} lr {data['lr']:.2e} {data['tokens_per_s']:,.0f} tok/s{mfu}"
                               f"{memory} {data['elapsed']:.0f} s", highlight=False)
             return
-        self.progress.update(self.task, completed=data["step"], epoch=data["epoch"], loss=f"{data['loss']:.3f}",
-                             ppl=f"{data['ppl']:.2f}", lr=f"{data['lr']:.2e}", speed=f"{data['tokens_per_s']:,.0f}",
-                             mfu=mfu, memory=memory)
+        self.progress.update(self.task, completed=data["step"], loss=f"{data['loss']:.3f}", lr=f"{data['lr']:.1e}",
+                             speed=f"{data['tokens_per_s']:,.0f}", mfu=mfu, memory=memory)
 
     def _on_eval(self, data: dict[str, Any]) -> None:
         extra = "".join(f" · {k} {data[k]:.2f}" for k in ("bleu", "chrf", "exact_match") if k in data)
