@@ -154,7 +154,7 @@ def _stopped_by_signal(signum: int, run_dir: Path | None, main: bool) -> None:
         from tformer_cli.render import err_console
         from tformer_cli.runs import stop_message
 
-        err_console.print(stop_message(signum, run_dir), markup=False, highlight=False, soft_wrap=True)
+        err_console.print(stop_message(signum, run_dir), highlight=False)
     raise typer.Exit(128 + signum)
 
 
@@ -207,7 +207,7 @@ def inspect_attention(
     console.print(Text.assemble(("source", "bold"), f" {source}\n", ("target", "bold"), f" {capture.target_text}"))
     print_maps(maps, console, values)
     if save is not None:
-        console.print(f"saved {save}", style="dim", markup=False, highlight=False)
+        console.print(f"saved {save}", style="dim", highlight=False)
 
 
 @app.command()
@@ -240,7 +240,7 @@ def average(
     if json_output:
         print_json({"checkpoint": str(folder), "averaged": [c.name for c in chosen]})
     else:
-        console.print(f"averaged {', '.join(c.name for c in chosen)} -> {folder}", markup=False, highlight=False)
+        console.print(f"averaged {', '.join(c.name for c in chosen)} -> {folder}", highlight=False)
 
 
 @app.command()
@@ -270,7 +270,7 @@ def plot(
         print_json({"image": str(path), "train_points": splits.count("train"),
                     "validation_points": splits.count("validation")})
     else:
-        console.print(f"saved {path}", markup=False, highlight=False)
+        console.print(f"saved {path}", highlight=False)
 
 
 @app.command()
@@ -314,7 +314,7 @@ def export(
         print_json({"folder": str(folder), "format": to, "quantization": quantization, "pushed_to": push_to_hub})
     else:
         console.print(f"exported {loaded.weights} -> {folder}" + (f" (and {push_to_hub} on the Hub)" if push_to_hub
-                                                                  else ""), markup=False, highlight=False)
+                                                                  else ""), highlight=False)
 
 
 def _push(folder: Path, repo: str) -> None:

@@ -10,14 +10,16 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from tformer_cli.files import json_text
 
-console = Console(soft_wrap=True)  # a printed line is one line, a long path whole (tables still fit the width)
-err_console = Console(stderr=True, soft_wrap=True)  # in a log file, an event is one line, however long
+# No markup: what is printed is printed as it is (a path or a sentence may hold "[bold]" or "[/]"); styles
+# come as Text. Soft wrap: a printed line stays one line, a long path whole (tables still fit the width),
+# and in a log file an event is one line, however long.
+console = Console(markup=False, soft_wrap=True)
+err_console = Console(stderr=True, markup=False, soft_wrap=True)
 
 
 def print_json(data: Any) -> None:
@@ -57,17 +59,15 @@ def param_table(summary: dict) -> None:
     table.add_column("model", justify="right", min_width=widest, no_wrap=True)
     table.add_column("", justify="center")
     for row in summary["rows"]:
-        mark = "[green]✓[/]" if row["agrees"] else "[red]✗[/]"
         table.add_row(row["component"], f"{row['per_layer']:,}", str(row["layers"]), f"{row['formula']:,}",
-                      f"{row['model']:,}", mark)
+                      f"{row['model']:,}", _agreement(row["agrees"]))
     totals = summary["totals"]
     table.add_section()
     table.add_row("encoder total", "", "", "", f"{totals['encoder']:,}", "")
     table.add_row("decoder total", "", "", "", f"{totals['decoder']:,}", "")
-    agrees = "[green]✓[/]" if totals["formula"] == totals["model"] else "[red]✗[/]"
-    table.add_row("[bold]model total[/]", "", "", f"[bold]{totals['formula']:,}[/]",
-                  f"[bold]{totals['model']:,}[/]", agrees)
-    table.add_row("", "", "", "", f"[bold]{human(totals['model'])}[/]", "")
+    table.add_row("model total", "", "", f"{totals['formula']:,}", f"{totals['model']:,}",
+                  _agreement(totals["formula"] == totals["model"]), style="bold")
+    table.add_row("", "", "", "", human(totals["model"]), "", style="bold")
     console.print(table)
 
     mem = summary["memory_bytes"]
@@ -83,10 +83,14 @@ def param_table(summary: dict) -> None:
     console.print(notes)
 
 
+def _agreement(agrees: bool) -> Text:
+    return Text("✓", style="green") if agrees else Text("✗", style="red")
+
+
 def error_lines(message: str) -> None:
     """Each line of a TformerError as one red 'error:' line on stderr (no markup interpreted)."""
     for line in message.splitlines() or [message]:
-        err_console.print(Text.assemble(("error: ", "bold red"), (line, "red")), soft_wrap=True)
+        err_console.print(Text.assemble(("error: ", "bold red"), (line, "red")))
 
 
 class TrainProgress:
@@ -105,7 +109,7 @@ class TrainProgress:
         getattr(self, f"_on_{event}", lambda d: None)(data)
 
     def _on_setup(self, data: dict[str, Any]) -> None:
-        err_console.print(f"{data['message']}…", style="dim", markup=False)
+        err_console.print(f"{data['message']}…", style="dim")
 
     def _on_warning(self, data: dict[str, Any]) -> None:
         warn(data["message"])
@@ -119,12 +123,12 @@ class TrainProgress:
         dropped = data["dropped_long"] + data["dropped_empty"]
         device = f"{data['device']} ({data['processes']} processes)" if data["processes"] > 1 else data["device"]
         err_console.print(
-            f"[bold]training[/] {escape(str(data['run_dir']))} on {device}{resumed}: "
+            Text.assemble(("training", "bold"), f" {data['run_dir']} on {device}{resumed}: "
             f"{human(data['parameters'])} parameters, "
             f"vocabulary {data['vocab_size']:,}, {data['train_pairs']:,} training pairs "
             f"({dropped:,} dropped: {data['dropped_long']:,} too long, {data['dropped_empty']:,} empty; "
             f"{data['truncated']:,} truncated), {data['validation_pairs']:,} validation, "
-            f"{data['steps_per_epoch']:,} steps an epoch")
+            f"{data['steps_per_epoch']:,} steps an epoch"))
         if data["compiled"]:  # minutes without a step otherwise look like a hang
             err_console.print("compiling the model (train.compile): the first steps take a few minutes; "
                               "--set train.compile=false starts at once, uncompiled", highlight=False)
@@ -157,9 +161,9 @@ class TrainProgress:
 
     def _on_eval(self, data: dict[str, Any]) -> None:
         extra = "".join(f" · {k} {data[k]:.2f}" for k in ("bleu", "chrf", "exact_match") if k in data)
-        star = " [green]★ best[/]" if data["best"] else ""
-        err_console.print(f"step {data['step']:,}: validation loss {data['loss']:.4f} · "
-                                    f"ppl {data['ppl']:.2f}{extra}{star}")
+        star = (" ★ best", "green") if data["best"] else ""
+        err_console.print(Text.assemble(f"step {data['step']:,}: validation loss {data['loss']:.4f} · "
+                                        f"ppl {data['ppl']:.2f}{extra}", star))
 
     def close(self) -> None:
         """Stop the live display: at the end, and when training stops on an error (printed below it)."""
@@ -170,7 +174,7 @@ class TrainProgress:
     def _on_end(self, data: dict[str, Any]) -> None:
         self.close()
         state = data["state"]
-        err_console.print(Text(f"training finished: {data['stop_reason']}"), soft_wrap=True)  # whole: paths stay one line
+        err_console.print(f"training finished: {data['stop_reason']}")  # a line of its own: a table's title folds
         table = Table(box=box.SIMPLE_HEAD)
         table.add_column("figure")
         table.add_column("value", justify="right")
@@ -191,7 +195,7 @@ class TrainProgress:
 
 
 def warn(message: str) -> None:
-    err_console.print(Text.assemble(("warning: ", "bold yellow"), message), soft_wrap=True)
+    err_console.print(Text.assemble(("warning: ", "bold yellow"), message))
 
 
 def eval_table(result: dict[str, Any]) -> None:
@@ -200,7 +204,7 @@ def eval_table(result: dict[str, Any]) -> None:
         candidates = "samples" if result["mbr_candidates"] == "sample" else "beam hypotheses"
         search = f"MBR over {result['mbr']} {candidates} ({result['mbr_metric']})"
     models = f" + {len(result['ensemble']) - 1} more (ensemble)" if result.get("ensemble") else ""
-    console.print(Text(f"{result['run']}{models} · {result['split']} · {search}"), soft_wrap=True)  # as in _on_end
+    console.print(f"{result['run']}{models} · {result['split']} · {search}")  # a line of its own, as in _on_end
     table = Table(box=box.SIMPLE_HEAD)
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -212,7 +216,7 @@ def eval_table(result: dict[str, Any]) -> None:
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
-    console.print(f"[dim]sacreBLEU {result['bleu_signature']}[/]", highlight=False)
+    console.print(f"sacreBLEU {result['bleu_signature']}", style="dim", highlight=False)
 
 
 def generation_lines(result, as_json: bool, number: int = 0, align_vocab=None) -> None:
