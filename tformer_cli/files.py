@@ -57,13 +57,12 @@ def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
 
 
 class WriteFailed(CheckpointError):
-    """A write that failed: ``path``, its ``cause``, what became of the file (``outcome``) and the
-    ``fix`` its cause calls for, which a caller that knows more (a run: resume once fixed) can reword."""
+    """A write that failed: ``what`` (the file, the cause, what became of the file) and the ``fix`` its
+    cause calls for, which a caller that knows more (a run: resume once fixed) can word its own way."""
 
     def __init__(self, path: Path, cause: str, outcome: str, fix: str, elsewhere: bool) -> None:
-        self.path, self.cause, self.outcome, self.fix = path, cause, outcome, fix
-        super().__init__(f"could not write {path} ({cause}); {outcome}: {fix}"
-                         + (" or pick another folder" if elsewhere else ""))
+        self.what, self.fix = f"could not write {path} ({cause}); {outcome}", fix
+        super().__init__(f"{self.what}: {fix}" + (" or pick another folder" if elsewhere else ""))
 
 
 def write_failed(path: Path, exc: BaseException, outcome: str) -> WriteFailed:

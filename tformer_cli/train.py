@@ -378,4 +378,4 @@ def _writing(run_dir: Path):
         last = step_checkpoints(run_dir)
         then = (f"the last checkpoint, {last[-1].name}, is intact: {exc.fix}, then resume with tformer train "
                 f"--resume {run_dir}") if last else f"no checkpoint was written yet: {exc.fix}, then run the command again"
-        raise CheckpointError(f"could not write {exc.path} ({exc.cause}); {exc.outcome}; {then}") from exc
+        raise CheckpointError(f"{exc.what}; {then}") from exc
