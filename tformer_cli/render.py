@@ -94,8 +94,8 @@ def error_lines(message: str) -> None:
 
 
 class TrainProgress:
-    """A ``train`` callback: live Rich progress (loss, perplexity, lr, tokens/s, ETA) and a summary;
-    ``quiet``: warnings only."""
+    """A ``train`` callback: a live line in a terminal (steps, loss, lr, tokens/s, MFU, memory, time
+    left) or a line per logged step elsewhere, validation lines and a summary; ``quiet``: warnings only."""
 
     def __init__(self, quiet: bool = False) -> None:
         self.quiet = quiet
