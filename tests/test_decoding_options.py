@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from conftest import tiny_model_config
 from tformer_cli.cli import app
-from tformer_cli.decoding import DecodeOptions, beam_search, decode_batch, greedy_or_sample, translate
+from tformer_cli.decoding import DecodeOptions, Prefix, beam_search, decode_batch, greedy_or_sample, translate
 from tformer_cli.ensemble import Ensemble
 from tformer_cli.mbr import expected_utilities, rank, sentence_metric
 from tformer_cli.model import build_model
@@ -141,14 +141,40 @@ def test_min_len_holds_for_greedy_beam_and_sampling():
 # Forced prefixes
 # ---------------------------------------------------------------------------------------------
 
-def test_a_prefix_is_forced_and_decoding_continues_from_it_as_without_a_cache():
+# A target vocabulary of VOCAB pieces for the tiny model, with several ways to spell most texts
+PIECES = [None] * 4 + ["▁a", "▁ab", "▁abc", "a", "b", "c", "bc", "▁b", "▁ba", "▁", "ab", "ca", "▁c", "cab",
+                       "abc", "ba", "bb", "▁bb", "cc", "▁cc"]
+# per source row: the prefix spelled in pieces; rows 1 and 3 have none; row 4 ends in a space
+PREFIXES = ["▁ab", "", "▁cab▁b", "", "▁c▁"]
+
+
+def _spelled(tokens):
+    return "".join(PIECES[t] or "" for t in tokens)
+
+
+@torch.no_grad()
+def _uncached_greedy_with_prefix(model, src, prefix, steps=10):
+    """Reference: recompute every step without a cache; while the output's text is shorter than the
+    prefix, take the likeliest token that keeps the text and the prefix one the beginning of the other."""
+    ys = [BOS_ID]
+    for _ in range(steps):
+        log_probs = model(src, torch.tensor([ys]))[0, -1].log_softmax(-1)
+        written = _spelled(ys[1:])
+        if len(written) < len(prefix):
+            fits = [PIECES[t] is not None and (prefix.startswith(written + PIECES[t])
+                                                or (written + PIECES[t]).startswith(prefix)) for t in range(VOCAB)]
+            log_probs = log_probs.masked_fill(~torch.tensor(fits), float("-inf"))
+        ys.append(int(log_probs.argmax()))
+    return _trim(ys[1:])
+
+
+def test_outputs_start_with_their_prefix_spelled_as_the_model_chooses_as_without_a_cache():
     model, src = _model(), _sources()
-    prefix = torch.full((5, 3), PAD_ID)
-    prefix[0], prefix[2, :1], prefix[4, :2] = torch.tensor([7, 7, 9]), 11, torch.tensor([5, 6])  # rows 1, 3: none
+    prefix = Prefix(PIECES, PREFIXES)
     ours = greedy_or_sample(model, src, DecodeOptions(**LIMIT), prefix)
-    expected = [_uncached_greedy([model], src[i:i + 1], 10, prefix[i:i + 1, :int((prefix[i] != PAD_ID).sum())])[0]
-                for i in range(5)]
+    expected = [_uncached_greedy_with_prefix(model, src[i:i + 1], PREFIXES[i]) for i in range(5)]
     assert [h.tokens for h in ours] == expected
+    assert all(_spelled(h.tokens).startswith(text) for h, text in zip(ours, PREFIXES))
     plain = greedy_or_sample(model, src, DecodeOptions(**LIMIT))
     assert ours[1].tokens == plain[1].tokens and ours[3].tokens == plain[3].tokens
     with torch.no_grad():  # the score is the model's log-probability of the whole output, prefix included
@@ -157,20 +183,27 @@ def test_a_prefix_is_forced_and_decoding_continues_from_it_as_without_a_cache():
         assert ours[0].score == pytest.approx(log_probs[torch.arange(len(target)), torch.tensor(target)].sum().item(),
                                               abs=1e-4)
     beams = beam_search(model, src, DecodeOptions(beam_size=4, nbest=4, **LIMIT), prefix)
-    for i, hyps in enumerate(beams):
-        forced = prefix[i][prefix[i] != PAD_ID].tolist()
-        assert len(hyps) == 4 and all(h.tokens[:len(forced)] == forced for h in hyps)
+    for text, hyps in zip(PREFIXES, beams):
+        assert len(hyps) == 4 and all(_spelled(h.tokens).startswith(text) for h in hyps)
         assert all(h.score > float("-inf") for h in hyps)
+    assert len({tuple(h.tokens[:2]) for h in beams[0]}) > 1  # the beams spell "▁ab" in more ways than one
     one_beam = beam_search(model, src, DecodeOptions(beam_size=1, length_penalty=0.0, **LIMIT), prefix)
     assert [hyps[0].tokens for hyps in one_beam] == expected
     sampled = decode_batch(model, src, DecodeOptions(sample=True, seed=3, nbest=3, **LIMIT), prefix)
-    assert all(h.tokens[:3] == [7, 7, 9] for h in sampled[0])
+    assert all(_spelled(h.tokens).startswith(text) for text, hyps in zip(PREFIXES, sampled) for h in hyps)
+
+
+def test_a_prefix_overrides_the_repetition_ban_and_min_len_while_it_lasts():
+    model, src = _model(), _sources()[:1]
+    prefix = Prefix(PIECES, ["▁a▁a▁a"])
+    out = greedy_or_sample(model, src, DecodeOptions(no_repeat_ngram=1, min_len=8, **LIMIT), prefix)
+    assert _spelled(out[0].tokens).startswith("▁a▁a▁a") and out[0].score > float("-inf")
 
 
 def test_a_prefix_past_the_length_limit_still_leaves_room_for_one_token():
     model, src = _model(), _sources()[:1]
-    out = greedy_or_sample(model, src, DecodeOptions(max_len_a=0, max_len_b=2), torch.tensor([[5, 6, 7, 8]]))
-    assert out[0].tokens[:4] == [5, 6, 7, 8]
+    out = greedy_or_sample(model, src, DecodeOptions(max_len_a=0, max_len_b=2), Prefix(PIECES, ["▁abc▁abc"]))
+    assert _spelled(out[0].tokens).startswith("▁abc▁abc")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,6 +276,23 @@ def test_mbr_translation_is_the_sampled_candidate_of_highest_expected_utility():
 
 def _json_lines(output):
     return [json.loads(line) for line in output.splitlines()]
+
+
+def test_greedy_output_cut_anywhere_and_given_as_prefix_is_completed_to_itself(trained_run):
+    """Greedy decoding's own tokens fit any beginning of its output, and each is the likeliest of all, so
+    with that beginning as the prefix it must come out again, score and all: also where the cut falls
+    inside a word, or inside a token, or after a space."""
+    texts = ["twenty-one", "three hundred forty-two", "seven", "ninety-nine thousand"]
+    greedy = ["--beam", "1", "--json"]
+    plain = _json_lines(runner.invoke(app, ["generate", str(trained_run), *texts, *greedy]).stdout)
+    cuts = [(line["input"], line["outputs"][0][:k], line) for line in plain for k in range(1, len(line["outputs"][0]))]
+    assert len(cuts) > 20
+    lines = "".join(json.dumps({"input": text, "prefix": cut}) + "\n" for text, cut, _ in cuts)
+    result = runner.invoke(app, ["generate", str(trained_run), "--json-input", *greedy], input=lines)
+    assert result.exit_code == 0, result.output
+    for (_, cut, expected), got in zip(cuts, _json_lines(result.stdout)):
+        assert got["outputs"] == expected["outputs"], cut
+        assert got["scores"] == pytest.approx(expected["scores"], abs=1e-3), cut
 
 
 def test_generate_with_a_prefix_alignment_and_mbr_from_the_command_line(trained_run):

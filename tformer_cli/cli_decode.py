@@ -159,7 +159,8 @@ def generate(
     min_len: MinLenOpt = None,
     no_repeat_ngram: NoRepeatOpt = None,
     prefix: Annotated[Optional[str], typer.Option(
-        help="Every output starts with this text, and decoding goes on from it.")] = None,
+        help="Every output starts with this text, and decoding goes on from it (a last word cut short is "
+             "completed).")] = None,
     json_input: Annotated[bool, typer.Option(
         "--json-input", help='Read stdin as JSON lines, {"input": TEXT, "prefix": TEXT} (prefix optional).')] = False,
     align: Annotated[bool, typer.Option(

@@ -8,6 +8,8 @@ equal tformer's (tests/test_export.py). Where the two differ:
 - beam search ranks finished hypotheses by CTranslate2's length penalty, log-probability /
   length ** alpha, where tformer uses GNMT's ((5 + length) / 6) ** alpha;
 - the length limit a * source_length + b is taken per batch, from its longest source;
+- a prefix is forced as its own tokens (CTranslate2 has no hook to constrain each step), so a prefix
+  that ends mid-word is not completed as tformer's ``decoding.Prefix`` completes it;
 - scores are CTranslate2's: without a forced prefix's log-probabilities, renormalized where --min-len
   forbids the end of sentence, and length-normalized in beam search;
 - --align, --ensemble, --mbr and --epsilon are tformer's own and are refused.

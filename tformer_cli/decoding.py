@@ -6,6 +6,8 @@ position only, and drops finished sentences from the batch (and from the cache).
 
 from __future__ import annotations
 
+import bisect
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -75,35 +77,96 @@ class Hypothesis:
     alignment: list[int] | None = None  # per output token, the source position it attends to most
 
 
+class Prefix:
+    """Texts that outputs must start with (``--prefix``), kept a character at a time: while a row has
+    not yet written its text, the next token must either fit in what is left of the text or begin with
+    all of it. So the model chooses how the text is split into tokens, and a text that ends mid-word is
+    completed: with "einund", "twenty-one" gives "einundzwanzig", where forcing the text's own tokens
+    ("▁ein", "und") would leave the model to begin a new word after them (token healing, in general).
+
+    ``pieces``: each target id's text in an output's tokens, None for special tokens (which are never
+    allowed inside a prefix); ``texts``: per row, its prefix spelled in pieces (""; none), as
+    ``Vocabulary.spell_prefix`` gives them."""
+
+    def __init__(self, pieces: list[str | None], texts: list[str]) -> None:
+        self.pieces, self.texts = pieces, texts
+        self._chars = torch.tensor([len(p or "") for p in pieces])
+        self._ids = {p: i for i, p in enumerate(pieces) if p}
+        self._sorted = sorted(self._ids)
+        self._longest = max(map(len, self._ids), default=0)
+        self._allowed: dict[str, Tensor] = {}
+
+    @classmethod
+    def of(cls, vocab: Vocabulary, texts: list[str]) -> "Prefix":
+        return cls(vocab.target_pieces(), [vocab.spell_prefix(text) for text in texts])
+
+    def __getitem__(self, rows: Tensor | list[int]) -> "Prefix":
+        """The prefixes of these rows, in this order (rows may repeat)."""
+        prefix = copy.copy(self)
+        prefix.texts = [self.texts[i] for i in (rows.tolist() if isinstance(rows, Tensor) else rows)]
+        return prefix
+
+    def chars(self, tokens: Tensor) -> Tensor:
+        """How many characters each token writes."""
+        if self._chars.device != tokens.device:
+            self._chars = self._chars.to(tokens.device)
+        return self._chars[tokens]
+
+    def lengths(self, device: torch.device) -> Tensor:
+        """(B,) each row's prefix in characters: the most tokens it can take."""
+        return torch.tensor([len(text) for text in self.texts], device=device)
+
+    def inside(self, rows: list[int], written: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The rows (of ``rows``, each a prefix's row) that have written ``written`` (b,) characters, fewer
+        than their prefix holds, and for each the tokens that may come next (r, V) bool; None when all
+        rows are past their prefixes. Reads ``written`` on the host."""
+        left = [self.texts[row][n:] for row, n in zip(rows, written.tolist())]
+        inside = [i for i, text in enumerate(left) if text]
+        if not inside:
+            return None
+        allowed = torch.stack([self._next_tokens(left[i]) for i in inside])
+        return torch.tensor(inside, device=written.device), allowed.to(written.device)
+
+    def _next_tokens(self, left: str) -> Tensor:
+        """(V,) bool: the tokens that fit in ``left`` or begin with it."""
+        if left not in self._allowed:
+            allowed = torch.zeros(len(self.pieces), dtype=torch.bool)
+            fitting = [self._ids[left[:n]] for n in range(1, min(len(left), self._longest) + 1) if left[:n] in self._ids]
+            start = bisect.bisect_left(self._sorted, left)
+            stop = bisect.bisect_left(self._sorted, left + "\U0010ffff", lo=start)
+            allowed[fitting + [self._ids[p] for p in self._sorted[start:stop]]] = True
+            self._allowed[left] = allowed
+        return self._allowed[left]
+
+
 def max_new_tokens(src: Tensor, pad_id: int, options: DecodeOptions, model_max_len: int,
-                   prefix: Tensor | None = None) -> Tensor:
-    """(B,) output length limits: a * source_length + b, and at least one token past a forced prefix,
-    within the model's positions."""
+                   prefix: Prefix | None = None) -> Tensor:
+    """(B,) output length limits: a * source_length + b, and room for a prefix spelled a character a
+    token and one token past it, within the model's positions."""
     src_len = (src != pad_id).sum(dim=1).float()
     limit = (options.max_len_a * src_len + options.max_len_b).long()
     if prefix is not None:
-        limit = torch.maximum(limit, (prefix != PAD_ID).sum(dim=1) + 1)
+        limit = torch.maximum(limit, prefix.lengths(src.device) + 1)
     return limit.clamp(min=1, max=model_max_len - 1)
 
 
 def constrain(log_probs: Tensor, t: int, options: DecodeOptions, history: Tensor | None,
-              forced: Tensor | None) -> None:
+              inside: tuple[Tensor, Tensor] | None) -> None:
     """Apply, in place, the rules on which token may come at step ``t`` to each row's log-probabilities
-    (b, V), given the row's tokens so far ``history`` (b, t) and the prefix tokens ``forced`` (b,) at
-    this step (PAD where a row's prefix has ended): no EOS before ``min_len`` tokens, no repeated
-    n-gram, and a prefix token where there is one (with its own log-probability, so that it counts in
-    the score)."""
-    rows = None
-    if forced is not None:
-        rows = (forced != PAD_ID).nonzero().squeeze(1)
-        kept = log_probs[rows, forced[rows]]
+    (b, V), given the row's tokens so far ``history`` (b, t) and, from ``Prefix.inside``, the rows still
+    inside their prefix with the tokens it allows them: no EOS before ``min_len`` tokens, no repeated
+    n-gram, and inside a prefix only what the prefix allows (with their own log-probabilities, so
+    that the prefix counts in the score)."""
+    kept = None
+    if inside is not None:
+        rows, allowed = inside
+        kept = log_probs[rows].masked_fill_(~allowed, float("-inf"))
     if t < options.min_len:
         log_probs[:, EOS_ID] = float("-inf")
     if options.no_repeat_ngram:
         ban_repeats(log_probs, history, options.no_repeat_ngram)
-    if rows is not None and rows.numel():
-        log_probs[rows] = float("-inf")
-        log_probs[rows, forced[rows]] = kept
+    if kept is not None:
+        log_probs[rows] = kept
 
 
 def ban_repeats(log_probs: Tensor, history: Tensor, n: int) -> None:
@@ -126,10 +189,10 @@ def attended_source(attention: Tensor, src: Tensor) -> Tensor:
 
 @torch.inference_mode()
 def greedy_or_sample(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeOptions,
-                     prefix: Tensor | None = None) -> list[Hypothesis]:
-    """Greedy search, or sampling with temperature / top-k / top-p when ``options.sample``. ``prefix``
-    (B, P), padded with PAD, holds target tokens each output must start with. On a GPU, plain greedy
-    search replays each step as a CUDA graph (``accel.graphs``, the same results)."""
+                     prefix: Prefix | None = None) -> list[Hypothesis]:
+    """Greedy search, or sampling with temperature / top-k / top-p when ``options.sample``, each output
+    starting with its row's ``prefix``. On a GPU, plain greedy search replays each step as a CUDA graph
+    (``accel.graphs``, the same results)."""
     models = as_ensemble(model)
     limits = max_new_tokens(src, models.pad_id, options, models.max_len, prefix)
     encoded = models.encode(src)
@@ -147,7 +210,7 @@ def greedy_or_sample(model: torch.nn.Module | Ensemble, src: Tensor, options: De
 
 
 def _greedy_loop(models: Ensemble, src: Tensor, encoded, limits: Tensor, options: DecodeOptions,
-                 prefix: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+                 prefix: Prefix | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Greedy search (or sampling) a step at a time over a growing cache, finished sentences leaving
     the batch. Returns the tokens (B, L), EOS-padded, the lengths (B,), the scores (B,) and, with
     ``options.align_layer``, the source position each token attends to most (B, L)."""
@@ -160,10 +223,13 @@ def _greedy_loop(models: Ensemble, src: Tensor, encoded, limits: Tensor, options
     lengths = limits.clone()
     alive = torch.arange(B, device=device)  # original row of each row still decoding
     last = torch.full((B, 1), BOS_ID, dtype=torch.long, device=device)
+    written = torch.zeros(B, dtype=torch.long, device=device)  # characters of each row's prefix written
     for t in range(int(limits.max())):
         log_probs, attention = models.next_log_probs(last, encoded, cache, options.align_layer)  # (b, V)
-        constrain(log_probs, t, options, out[alive, :t] if options.no_repeat_ngram else None,
-                  prefix[alive, t] if prefix is not None and t < prefix.shape[1] else None)
+        inside = prefix.inside(alive.tolist(), written[alive]) if prefix is not None else None
+        constrain(log_probs, t, options, out[alive, :t] if options.no_repeat_ngram else None, inside)
+        if inside is None:
+            prefix = None  # every row is past its prefix
         if options.sample and options.temperature > 0:
             token = _sample(log_probs, options, generator)  # (b,)
         else:
@@ -172,6 +238,8 @@ def _greedy_loop(models: Ensemble, src: Tensor, encoded, limits: Tensor, options
         if aligned is not None:
             aligned[alive, t] = attended_source(attention, src[alive])
         scores[alive] += log_probs.gather(1, token[:, None]).squeeze(1)
+        if prefix is not None:
+            written[alive] += prefix.chars(token)
         ended = token == EOS_ID
         lengths[alive] = torch.where(ended, t, lengths[alive])
         done = ended | (t + 1 >= limits[alive])
@@ -218,13 +286,13 @@ def _length_penalty(length: int | Tensor, alpha: float):
 
 @torch.inference_mode()
 def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeOptions,
-                prefix: Tensor | None = None) -> list[list[Hypothesis]]:
+                prefix: Prefix | None = None) -> list[list[Hypothesis]]:
     """Beam search batched over sentences and beams, with GNMT length normalisation.
 
     A sentence stops when its best finished hypothesis beats the best score any live beam could
-    still reach; finished sentences leave the batch. Returns ``nbest`` hypotheses per sentence.
-    ``prefix`` (B, P), padded with PAD, holds target tokens each output must start with. On a GPU,
-    with nbest 1, each step is replayed as a CUDA graph (``accel.graphs``, the same results).
+    still reach; finished sentences leave the batch. Returns ``nbest`` hypotheses per sentence, each
+    starting with its sentence's ``prefix``. On a GPU, with nbest 1, each step is replayed as a CUDA
+    graph (``accel.graphs``, the same results).
     """
     models = as_ensemble(model)
     B, K, device = src.shape[0], options.beam_size, src.device
@@ -243,6 +311,7 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
     history = torch.empty(B * K, 0, dtype=torch.long, device=device)
     aligned = history.clone() if options.align_layer is not None else None  # a source position per token
     last = torch.full((B * K, 1), BOS_ID, dtype=torch.long, device=device)
+    written = torch.zeros(B * K, dtype=torch.long, device=device)  # characters of the prefix each beam wrote
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     alive = list(range(B))  # original sentence of each block of K rows
 
@@ -260,13 +329,15 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
     for t in range(max(limits)):
         n = len(alive)
         log_probs, attention = models.next_log_probs(last, encoded, cache, options.align_layer)  # (n*K, V)
-        constrain(log_probs, t, options, history if options.no_repeat_ngram else None,
-                  prefix[alive, t].repeat_interleave(K) if prefix is not None and t < prefix.shape[1] else None)
+        inside = prefix.inside([s for s in alive for _ in range(K)], written) if prefix is not None else None
+        constrain(log_probs, t, options, history if options.no_repeat_ngram else None, inside)
+        if inside is None:
+            prefix = None  # every beam is past its prefix
         V = log_probs.shape[-1]
         candidates = log_probs.add_(scores.view(n * K, 1)).view(n, K * V)  # in place: log_probs is not needed after
         top_scores, top_index = topk(candidates, 2 * K)  # (n, 2K): at most K of them end in EOS
         top_beam, top_token = top_index // V, top_index % V
-        is_eos = (top_token == EOS_ID) & (top_scores > float("-inf"))  # -inf: a beam that a forced prefix left empty
+        is_eos = (top_token == EOS_ID) & (top_scores > float("-inf"))  # -inf: a beam that a prefix left empty
         live_scores, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=-1)  # (n, K)
         # what the bookkeeping reads, copied to the host at once: one wait for the device a step
         host = torch.stack([top_scores[:, :K], is_eos[:, :K], top_beam[:, :K], live_scores]).float().cpu()
@@ -275,6 +346,8 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
         origin = (top_beam.gather(1, pick) + torch.arange(n, device=device)[:, None] * K).view(-1)  # (n*K,)
         token = top_token.gather(1, pick).view(-1)
         history = torch.cat([history[origin], token[:, None]], dim=1)
+        if prefix is not None:
+            written = written[origin] + prefix.chars(token)
         if aligned is not None:  # a token is aligned by the attention of the step that chose it
             source = attended_source(attention, src[alive].repeat_interleave(K, dim=0))
             aligned = torch.cat([aligned[origin], source[origin, None]], dim=1)
@@ -288,7 +361,7 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
             keep_rows = [i for i, d in enumerate(done) if not d]
             rows = torch.tensor([r * K + k for r in keep_rows for k in range(K)], device=device)
             alive = [alive[r] for r in keep_rows]
-            scores, history, last = scores[keep_rows], history[rows], last[rows]
+            scores, history, last, written = scores[keep_rows], history[rows], last[rows], written[rows]
             aligned = aligned[rows] if aligned is not None else None
             cache.select(rows)
     return [sorted(hyps, key=lambda h: -h.normalized)[: options.nbest] for hyps in finished]
@@ -321,9 +394,9 @@ def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_sco
 
 
 def decode_batch(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeOptions,
-                 prefix: Tensor | None = None) -> list[list[Hypothesis]]:
-    """Hypotheses for each source row: beam search when beam_size > 1, else greedy or sampling.
-    ``prefix`` (B, P), padded with PAD: target tokens each output must start with."""
+                 prefix: Prefix | None = None) -> list[list[Hypothesis]]:
+    """Hypotheses for each source row, starting with its ``prefix``: beam search when beam_size > 1,
+    else greedy or sampling."""
     if options.beam_size > 1 and not options.sample:
         return beam_search(model, src, options, prefix)
     if options.sample and options.nbest > 1:  # n independent samples per source, best first
@@ -377,17 +450,15 @@ def translate(model: torch.nn.Module | Ensemble, vocab: Vocabulary, texts: list[
     ids = vocab.encode_sources(texts)
     results = [Translation(text, [("", Hypothesis([], 0.0, 0.0))], len(s) > max_len) for text, s in zip(texts, ids)]
     ids = [s[: max_len - 1] + s[-1:] if len(s) > max_len else s for s in ids]
-    forced = vocab.encode_prefixes(prefixes) if prefixes else None
     order = sorted((i for i, text in enumerate(texts) if text.strip()), key=lambda i: len(ids[i]))
+    prefixed = Prefix.of(vocab, prefixes) if prefixes and any(text.strip() for text in prefixes) else None
     search = options.candidates() if options.mbr else options
     metric = sentence_metric(options.mbr_metric) if options.mbr else None
     batch_size = sentences_per_batch(options, batch_size)
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         src = pad_sequences([ids[i] for i in chunk]).to(device)
-        prefix = None
-        if forced is not None and any(forced[i] for i in chunk):
-            prefix = pad_sequences([forced[i] or [PAD_ID] for i in chunk]).to(device)
+        prefix = prefixed[chunk] if prefixed is not None and any(prefixed.texts[i] for i in chunk) else None
         for i, hyps in zip(chunk, decode_batch(models, src, search, prefix)):
             outputs = list(zip(vocab.decode_targets([h.tokens for h in hyps]), hyps))
             if metric is not None:

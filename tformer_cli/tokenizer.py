@@ -134,6 +134,21 @@ class Vocabulary:
         """Target ids of the texts that outputs must start with, without BOS or EOS."""
         return _ids(self.target, texts)
 
+    def spell_prefix(self, text: str) -> str:
+        """``text`` as the target tokens of an output that starts with it spell it, joined: normalised,
+        words marked with "▁" ("drei hundert" is "▁drei▁hundert"), and a closing "▁" where the text
+        ends in a space, so that the next word is a new one. Empty for a text of white space alone."""
+        if not text.strip():
+            return ""
+        spelled = "".join(self.target.encode(text, add_special_tokens=False).tokens)
+        return spelled + ("▁" if text[-1].isspace() else "")
+
+    def target_pieces(self) -> list[str | None]:
+        """Each target id's text as it stands in an output's tokens ("▁drei", "und"); None for the
+        special tokens, which spell nothing."""
+        pieces = [self.target.id_to_token(i) for i in range(self.tgt_size)]
+        return [None if i < len(SPECIALS) else piece for i, piece in enumerate(pieces)]
+
     def unknown_target_characters(self, text: str) -> str:
         """The characters of ``text`` that the target vocabulary has no token for, each once, in order."""
         encoding = self.target.encode(text, add_special_tokens=False)
