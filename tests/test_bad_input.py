@@ -182,7 +182,8 @@ def _data_cases() -> list[Case]:
                               files=files))
     texts = [("length-mismatch", "one\ntwo\n", "eins\n", "differ in length"),
              ("non-utf8", b"one\xff\n", "eins\n", "not UTF-8 text"),
-             ("binary", BINARY, "eins\n", "not UTF-8 text")]
+             ("binary", BINARY, "eins\n", "not UTF-8 text"),
+             ("references-empty", "one\ntwo\n", "\n\n", "every reference (de) of split 'test' is empty")]
     for name, source, target, expect in texts:
         files = {"s.txt": source, "t.txt": target}
         cases.append(Case(f"data/eval/text/{name}", ["eval", "{run}", "--data-files", "{tmp}/s.txt",

@@ -179,7 +179,12 @@ def test_eval_on_other_files(run_dir, tmp_path):
     result = runner.invoke(app, ["eval", str(run_dir), "--data-files", str(data), "--source-field", "number",
                                  "--target-field", "zahl", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["sentences"] == 2
+    assert json.loads(result.stdout)["sentences"] == 2 and json.loads(result.stdout)["empty_references"] == 0
+    data.write_text('{"number": "seven", "zahl": "sieben"}\n{"number": "ten", "zahl": " "}\n')
+    one_empty = runner.invoke(app, ["eval", str(run_dir), "--data-files", str(data), "--source-field", "number",
+                                    "--target-field", "zahl", "--json"])
+    assert one_empty.exit_code == 0 and json.loads(one_empty.stdout)["empty_references"] == 1
+    assert "warning: 1 of 2 references are empty" in one_empty.stderr
     missing = runner.invoke(app, ["eval", str(run_dir), "--data-files", str(tmp_path / "nope.jsonl")])
     assert missing.exit_code == 1 and missing.output == f"error: --data-files {tmp_path / 'nope.jsonl'}: no such file\n"
 

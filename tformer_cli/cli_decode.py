@@ -101,7 +101,7 @@ def eval_command(
     from tformer_cli.devices import resolve_device
     from tformer_cli.evaluation import evaluate_run
     from tformer_cli.files import write_text_atomic
-    from tformer_cli.render import eval_table, print_json
+    from tformer_cli.render import eval_table, print_json, warn
 
     check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_samples=max_samples,
                          length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram,
@@ -132,6 +132,9 @@ def eval_command(
                               batch_size or loaded.config.decode.batch_size, loaded.config.train.max_tokens, dev,
                               loaded.config.train.batch_multiple)
     hypotheses = result.pop("hypotheses")
+    if result["empty_references"]:
+        warn(f"{result['empty_references']} of {result['sentences']} references are empty: their translations are "
+             "scored against nothing and left out of the loss")
     if output:
         write_text_atomic(output, "".join(h + "\n" for h in hypotheses))
     result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam_size=options.beam_size,

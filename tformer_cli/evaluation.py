@@ -18,6 +18,7 @@ from tformer_cli.accel import ops
 from tformer_cli.batching import Batch, collate, token_batches
 from tformer_cli.encoding import EncodedSplit
 from tformer_cli.ensemble import Ensemble, as_ensemble
+from tformer_cli.errors import DataError
 from tformer_cli.loss import linear_smoothed_cross_entropy
 
 if TYPE_CHECKING:
@@ -188,6 +189,10 @@ def evaluate_run(model: torch.nn.Module | Ensemble, vocab: Vocabulary, data_cfg:
     from tformer_cli.encoding import encode_split
 
     pairs = load_pairs(data_cfg, split)
+    empty = sum(not target.strip() for _, target in pairs)
+    if empty == len(pairs):
+        raise DataError(f"every reference ({data_cfg.target}) of split '{split}' is empty: eval scores "
+                        "translations against references; to translate without them, use tformer generate")
     encoded = encode_split(pairs, vocab, replace(data_cfg, long_pairs="truncate"))
     loss = evaluate_loss(model, encoded, max_tokens, device, batch_multiple)
     start = time.perf_counter()
@@ -198,4 +203,4 @@ def evaluate_run(model: torch.nn.Module | Ensemble, vocab: Vocabulary, data_cfg:
     return {"split": split, "sentences": len(pairs), "loss": loss.loss, "perplexity": loss.perplexity,
             **corpus_scores(hypotheses, [target for _, target in pairs]),
             "decode_seconds": seconds, "sentences_per_s": len(pairs) / seconds, "tokens_per_s": generated / seconds,
-            "hypotheses": hypotheses}
+            "empty_references": empty, "hypotheses": hypotheses}
