@@ -271,6 +271,7 @@ def _argument_cases() -> list[Case]:
         (gen + [b"seven \xff".decode("utf-8", "surrogateescape")], "TEXTS: not UTF-8 text"),
         (["generate", "{tmp}/nowhere", "seven"], "no such run folder"),
         (["generate", "{tmp}", "seven"], "neither a run folder nor a checkpoint"),
+        (["generate", "{run}/checkpoints", "seven"], "a folder of checkpoints, not one; name one of them (step-"),
         (ins + [b"\xffseven".decode("utf-8", "surrogateescape")], "SOURCE: not UTF-8 text"),
         (ins + ["seven", "--target", b"\xff".decode("utf-8", "surrogateescape")], "--target: not UTF-8 text"),
         (ins + ["seven", "--layer", "9"], "--layer 9"), (ins + ["seven", "--head", "0"], "--head 0"),

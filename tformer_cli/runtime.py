@@ -176,6 +176,13 @@ def find_weights(path: Path) -> tuple[Path, Path]:
         raise CheckpointError(f"{path}: the run has no weights yet; train it first (tformer train --resume {path})")
     if (path / WEIGHTS).is_file():
         return run_folder_of(path), path / WEIGHTS
+    try:
+        inside = sorted(folder.name for folder in path.iterdir() if (folder / WEIGHTS).is_file())
+    except OSError:  # unreadable: said below as well as it can be
+        inside = []
+    if inside:
+        raise CheckpointError(f"{path}: a folder of checkpoints, not one; name one of them ({', '.join(inside[-3:])}) "
+                              "or the run folder")
     raise CheckpointError(f"{path}: neither a run folder nor a checkpoint (no config.yaml or {WEIGHTS})")
 
 
