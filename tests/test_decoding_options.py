@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from conftest import tiny_model_config
 from tformer_cli.cli import app
-from tformer_cli.decoding import DecodeOptions, Prefix, beam_search, decode_batch, greedy_or_sample, translate
+from tformer_cli.decoding import DecodeOptions, beam_search, decode_batch, greedy_or_sample, translate
+from tformer_cli.decoding_rules import Prefix
 from tformer_cli.ensemble import Ensemble
 from tformer_cli.mbr import expected_utilities, rank, sentence_metric
 from tformer_cli.model import build_model

@@ -7,7 +7,8 @@ import torch
 
 from conftest import tiny_model_config
 from tformer_cli.accel import graphs
-from tformer_cli.decoding import DecodeOptions, _greedy_loop, beam_search, greedy_or_sample, max_new_tokens
+from tformer_cli.decoding import DecodeOptions, _greedy_loop, beam_search, greedy_or_sample
+from tformer_cli.decoding_rules import max_new_tokens
 from tformer_cli.ensemble import Ensemble, as_ensemble
 from tformer_cli.model import build_model
 from tformer_cli.tokenizer import EOS_ID

@@ -6,8 +6,6 @@ position only, and drops finished sentences from the batch (and from the cache).
 
 from __future__ import annotations
 
-import bisect
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -18,6 +16,7 @@ from torch import Tensor
 from tformer_cli.accel import graphs
 from tformer_cli.accel.search import argmax, topk
 from tformer_cli.config import DecodeConfig
+from tformer_cli.decoding_rules import Prefix, constrain, max_new_tokens
 from tformer_cli.ensemble import Ensemble, as_ensemble
 from tformer_cli.mbr import rank, sentence_metric
 from tformer_cli.tokenizer import BOS_ID, EOS_ID, PAD_ID, Vocabulary
@@ -75,110 +74,6 @@ class Hypothesis:
     score: float  # sum of token log-probabilities (EOS included when emitted)
     normalized: float  # score after the length penalty (equal to score for greedy and sampling)
     alignment: list[int] | None = None  # per output token, the source position it attends to most
-
-
-class Prefix:
-    """Texts that outputs must start with (``--prefix``), kept a character at a time: while a row has
-    not yet written its text, the next token must either fit in what is left of the text or begin with
-    all of it. So the model chooses how the text is split into tokens, and a text that ends mid-word is
-    completed: with "einund", "twenty-one" gives "einundzwanzig", where forcing the text's own tokens
-    ("▁ein", "und") would leave the model to begin a new word after them (token healing, in general).
-
-    ``pieces``: each target id's text in an output's tokens, None for special tokens (which are never
-    allowed inside a prefix); ``texts``: per row, its prefix spelled in pieces (""; none), as
-    ``Vocabulary.spell_prefix`` gives them."""
-
-    def __init__(self, pieces: list[str | None], texts: list[str]) -> None:
-        self.pieces, self.texts = pieces, texts
-        self._chars = torch.tensor([len(p or "") for p in pieces])
-        self._ids = {p: i for i, p in enumerate(pieces) if p}
-        self._sorted = sorted(self._ids)
-        self._longest = max(map(len, self._ids), default=0)
-        self._allowed: dict[str, Tensor] = {}
-
-    @classmethod
-    def of(cls, vocab: Vocabulary, texts: list[str]) -> "Prefix":
-        return cls(vocab.target_pieces(), [vocab.spell_prefix(text) for text in texts])
-
-    def __getitem__(self, rows: Tensor | list[int]) -> "Prefix":
-        """The prefixes of these rows, in this order (rows may repeat)."""
-        prefix = copy.copy(self)
-        prefix.texts = [self.texts[i] for i in (rows.tolist() if isinstance(rows, Tensor) else rows)]
-        return prefix
-
-    def chars(self, tokens: Tensor) -> Tensor:
-        """How many characters each token writes."""
-        if self._chars.device != tokens.device:
-            self._chars = self._chars.to(tokens.device)
-        return self._chars[tokens]
-
-    def lengths(self, device: torch.device) -> Tensor:
-        """(B,) each row's prefix in characters: the most tokens it can take."""
-        return torch.tensor([len(text) for text in self.texts], device=device)
-
-    def inside(self, rows: list[int], written: Tensor) -> tuple[Tensor, Tensor] | None:
-        """The rows (of ``rows``, each a prefix's row) that have written ``written`` (b,) characters, fewer
-        than their prefix holds, and for each the tokens that may come next (r, V) bool; None when all
-        rows are past their prefixes. Reads ``written`` on the host."""
-        left = [self.texts[row][n:] for row, n in zip(rows, written.tolist())]
-        inside = [i for i, text in enumerate(left) if text]
-        if not inside:
-            return None
-        allowed = torch.stack([self._next_tokens(left[i]) for i in inside])
-        return torch.tensor(inside, device=written.device), allowed.to(written.device)
-
-    def _next_tokens(self, left: str) -> Tensor:
-        """(V,) bool: the tokens that fit in ``left`` or begin with it."""
-        if left not in self._allowed:
-            allowed = torch.zeros(len(self.pieces), dtype=torch.bool)
-            fitting = [self._ids[left[:n]] for n in range(1, min(len(left), self._longest) + 1) if left[:n] in self._ids]
-            start = bisect.bisect_left(self._sorted, left)
-            stop = bisect.bisect_left(self._sorted, left + "\U0010ffff", lo=start)
-            allowed[fitting + [self._ids[p] for p in self._sorted[start:stop]]] = True
-            self._allowed[left] = allowed
-        return self._allowed[left]
-
-
-def max_new_tokens(src: Tensor, pad_id: int, options: DecodeOptions, model_max_len: int,
-                   prefix: Prefix | None = None) -> Tensor:
-    """(B,) output length limits: a * source_length + b, and room for a prefix spelled a character a
-    token and one token past it, within the model's positions."""
-    src_len = (src != pad_id).sum(dim=1).float()
-    limit = (options.max_len_a * src_len + options.max_len_b).long()
-    if prefix is not None:
-        limit = torch.maximum(limit, prefix.lengths(src.device) + 1)
-    return limit.clamp(min=1, max=model_max_len - 1)
-
-
-def constrain(log_probs: Tensor, t: int, options: DecodeOptions, history: Tensor | None,
-              inside: tuple[Tensor, Tensor] | None) -> None:
-    """Apply, in place, the rules on which token may come at step ``t`` to each row's log-probabilities
-    (b, V), given the row's tokens so far ``history`` (b, t) and, from ``Prefix.inside``, the rows still
-    inside their prefix with the tokens it allows them: no EOS before ``min_len`` tokens, no repeated
-    n-gram, and inside a prefix only what the prefix allows (with their own log-probabilities, so
-    that the prefix counts in the score)."""
-    kept = None
-    if inside is not None:
-        rows, allowed = inside
-        kept = log_probs[rows].masked_fill_(~allowed, float("-inf"))
-    if t < options.min_len:
-        log_probs[:, EOS_ID] = float("-inf")
-    if options.no_repeat_ngram:
-        ban_repeats(log_probs, history, options.no_repeat_ngram)
-    if kept is not None:
-        log_probs[rows] = kept
-
-
-def ban_repeats(log_probs: Tensor, history: Tensor, n: int) -> None:
-    """Forbid (in place) every token that would complete an n-gram already in the row's ``history``
-    (b, t): the tokens that followed an earlier occurrence of the row's last n - 1 tokens."""
-    t = history.shape[1]
-    if t < n:
-        return
-    grams = history.unfold(1, n, 1)  # (b, t - n + 1, n)
-    last = history[:, t - n + 1:]  # (b, n - 1)
-    rows, at = (grams[:, :, :-1] == last[:, None, :]).all(dim=-1).nonzero(as_tuple=True)
-    log_probs[rows, grams[rows, at, -1]] = float("-inf")
 
 
 def attended_source(attention: Tensor, src: Tensor) -> Tensor:
