@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from conftest import tiny_model_config
 from tformer_cli.cli import app
 from tformer_cli.decoding import DecodeOptions, beam_search, decode_batch, greedy_or_sample, translate
-from tformer_cli.decoding_rules import Prefix
+from tformer_cli.decoding_rules import Pieces, Prefix
 from tformer_cli.ensemble import Ensemble
 from tformer_cli.mbr import expected_utilities, rank, sentence_metric
 from tformer_cli.model import build_model
@@ -171,7 +171,7 @@ def _uncached_greedy_with_prefix(model, src, prefix, steps=10):
 
 def test_outputs_start_with_their_prefix_spelled_as_the_model_chooses_as_without_a_cache():
     model, src = _model(), _sources()
-    prefix = Prefix(PIECES, PREFIXES)
+    prefix = Prefix(Pieces(PIECES), PREFIXES)
     ours = greedy_or_sample(model, src, DecodeOptions(**LIMIT), prefix)
     expected = [_uncached_greedy_with_prefix(model, src[i:i + 1], PREFIXES[i]) for i in range(5)]
     assert [h.tokens for h in ours] == expected
@@ -196,14 +196,14 @@ def test_outputs_start_with_their_prefix_spelled_as_the_model_chooses_as_without
 
 def test_a_prefix_overrides_the_repetition_ban_and_min_len_while_it_lasts():
     model, src = _model(), _sources()[:1]
-    prefix = Prefix(PIECES, ["▁a▁a▁a"])
+    prefix = Prefix(Pieces(PIECES), ["▁a▁a▁a"])
     out = greedy_or_sample(model, src, DecodeOptions(no_repeat_ngram=1, min_len=8, **LIMIT), prefix)
     assert _spelled(out[0].tokens).startswith("▁a▁a▁a") and out[0].score > float("-inf")
 
 
 def test_a_prefix_past_the_length_limit_still_leaves_room_for_one_token():
     model, src = _model(), _sources()[:1]
-    out = greedy_or_sample(model, src, DecodeOptions(max_len_a=0, max_len_b=2), Prefix(PIECES, ["▁abc▁abc"]))
+    out = greedy_or_sample(model, src, DecodeOptions(max_len_a=0, max_len_b=2), Prefix(Pieces(PIECES), ["▁abc▁abc"]))
     assert _spelled(out[0].tokens).startswith("▁abc▁abc")
 
 

@@ -134,7 +134,7 @@ def _greedy_loop(models: Ensemble, src: Tensor, encoded, limits: Tensor, options
             aligned[alive, t] = attended_source(attention, src[alive])
         scores[alive] += log_probs.gather(1, token[:, None]).squeeze(1)
         if prefix is not None:
-            written[alive] += prefix.chars(token)
+            written[alive] += prefix.pieces.chars(token)
         ended = token == EOS_ID
         lengths[alive] = torch.where(ended, t, lengths[alive])
         done = ended | (t + 1 >= limits[alive])
@@ -242,7 +242,7 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
         token = top_token.gather(1, pick).view(-1)
         history = torch.cat([history[origin], token[:, None]], dim=1)
         if prefix is not None:
-            written = written[origin] + prefix.chars(token)
+            written = written[origin] + prefix.pieces.chars(token)
         if aligned is not None:  # a token is aligned by the attention of the step that chose it
             source = attended_source(attention, src[alive].repeat_interleave(K, dim=0))
             aligned = torch.cat([aligned[origin], source[origin, None]], dim=1)

@@ -4,7 +4,7 @@ must start with, no end of sentence before ``min_len`` tokens, and no repeated n
 from __future__ import annotations
 
 import bisect
-import copy
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +16,39 @@ if TYPE_CHECKING:
     from tformer_cli.decoding import DecodeOptions
 
 
+class Pieces:
+    """A target vocabulary's tokens as the text they write in an output ("▁drei", "und"), indexed to
+    find the tokens that may continue a text. ``pieces``: per id, None for special tokens."""
+
+    def __init__(self, pieces: list[str | None]) -> None:
+        self.size = len(pieces)
+        self._chars = torch.tensor([len(p or "") for p in pieces])
+        self._ids = {p: i for i, p in enumerate(pieces) if p}
+        self._sorted = sorted(self._ids)
+        self._longest = max(map(len, self._ids), default=0)
+        self._allowed: dict[str, Tensor] = {}
+
+    def chars(self, tokens: Tensor) -> Tensor:
+        """How many characters each token writes."""
+        if self._chars.device != tokens.device:
+            self._chars = self._chars.to(tokens.device)
+        return self._chars[tokens]
+
+    def next_tokens(self, left: str) -> Tensor:
+        """(V,) bool: the tokens that fit in ``left`` or begin with it (special tokens never)."""
+        if left not in self._allowed:
+            allowed = torch.zeros(self.size, dtype=torch.bool)
+            fitting = [self._ids[left[:n]] for n in range(1, min(len(left), self._longest) + 1) if left[:n] in self._ids]
+            start = bisect.bisect_left(self._sorted, left)
+            stop = bisect.bisect_left(self._sorted, left + "\U0010ffff", lo=start)
+            allowed[fitting + [self._ids[p] for p in self._sorted[start:stop]]] = True
+            self._allowed[left] = allowed
+        return self._allowed[left]
+
+
+_PIECES: weakref.WeakKeyDictionary[Vocabulary, Pieces] = weakref.WeakKeyDictionary()  # built once a vocabulary
+
+
 class Prefix:
     """Texts that outputs must start with (``--prefix``), kept a character at a time: while a row has
     not yet written its text, the next token must either fit in what is left of the text or begin with
@@ -23,33 +56,21 @@ class Prefix:
     completed: with "einund", "twenty-one" gives "einundzwanzig", where forcing the text's own tokens
     ("▁ein", "und") would leave the model to begin a new word after them (token healing, in general).
 
-    ``pieces``: each target id's text in an output's tokens, None for special tokens (which are never
-    allowed inside a prefix); ``texts``: per row, its prefix spelled in pieces (""; none), as
+    ``texts``: per row, its prefix as the tokens would spell it ("" for none), as
     ``Vocabulary.spell_prefix`` gives them."""
 
-    def __init__(self, pieces: list[str | None], texts: list[str]) -> None:
+    def __init__(self, pieces: Pieces, texts: list[str]) -> None:
         self.pieces, self.texts = pieces, texts
-        self._chars = torch.tensor([len(p or "") for p in pieces])
-        self._ids = {p: i for i, p in enumerate(pieces) if p}
-        self._sorted = sorted(self._ids)
-        self._longest = max(map(len, self._ids), default=0)
-        self._allowed: dict[str, Tensor] = {}
 
     @classmethod
     def of(cls, vocab: Vocabulary, texts: list[str]) -> "Prefix":
-        return cls(vocab.target_pieces(), [vocab.spell_prefix(text) for text in texts])
+        if vocab not in _PIECES:
+            _PIECES[vocab] = Pieces(vocab.target_pieces())
+        return cls(_PIECES[vocab], [vocab.spell_prefix(text) for text in texts])
 
     def __getitem__(self, rows: Tensor | list[int]) -> "Prefix":
         """The prefixes of these rows, in this order (rows may repeat)."""
-        prefix = copy.copy(self)
-        prefix.texts = [self.texts[i] for i in (rows.tolist() if isinstance(rows, Tensor) else rows)]
-        return prefix
-
-    def chars(self, tokens: Tensor) -> Tensor:
-        """How many characters each token writes."""
-        if self._chars.device != tokens.device:
-            self._chars = self._chars.to(tokens.device)
-        return self._chars[tokens]
+        return Prefix(self.pieces, [self.texts[i] for i in (rows.tolist() if isinstance(rows, Tensor) else rows)])
 
     def lengths(self, device: torch.device) -> Tensor:
         """(B,) each row's prefix in characters: the most tokens it can take."""
@@ -63,19 +84,8 @@ class Prefix:
         inside = [i for i, text in enumerate(left) if text]
         if not inside:
             return None
-        allowed = torch.stack([self._next_tokens(left[i]) for i in inside])
+        allowed = torch.stack([self.pieces.next_tokens(left[i]) for i in inside])
         return torch.tensor(inside, device=written.device), allowed.to(written.device)
-
-    def _next_tokens(self, left: str) -> Tensor:
-        """(V,) bool: the tokens that fit in ``left`` or begin with it."""
-        if left not in self._allowed:
-            allowed = torch.zeros(len(self.pieces), dtype=torch.bool)
-            fitting = [self._ids[left[:n]] for n in range(1, min(len(left), self._longest) + 1) if left[:n] in self._ids]
-            start = bisect.bisect_left(self._sorted, left)
-            stop = bisect.bisect_left(self._sorted, left + "\U0010ffff", lo=start)
-            allowed[fitting + [self._ids[p] for p in self._sorted[start:stop]]] = True
-            self._allowed[left] = allowed
-        return self._allowed[left]
 
 
 def max_new_tokens(src: Tensor, pad_id: int, options: DecodeOptions, model_max_len: int,
