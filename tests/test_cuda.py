@@ -8,6 +8,7 @@ import conftest
 from conftest import tiny_model_config, write_config
 from tformer_cli.config import load_config
 from tformer_cli.decoding import DecodeOptions, beam_search, decode_batch, greedy_or_sample
+from tformer_cli.decoding_rules import Pieces, Prefix
 import tformer_cli.loss as loss_module
 from tformer_cli.accel import fused_loss
 from tformer_cli.loss import _log_softmax_, linear_smoothed_cross_entropy
@@ -89,6 +90,12 @@ def test_cuda_model_matches_cpu_and_cached_decoding_matches():
     beam = DecodeOptions(beam_size=3, max_len_a=0, max_len_b=8)
     on_gpu, on_cpu = beam_search(gpu, src.cuda(), beam), beam_search(cpu, src, beam)
     assert [h[0].tokens for h in on_gpu] == [h[0].tokens for h in on_cpu]
+    # a prefix kept a character at a time: its rows and masks move to the GPU, its lengths read back
+    pieces = Pieces([None] * 4 + [("▁" if i % 3 == 0 else "") + "abcd"[i % 4] * (1 + i % 2) for i in range(36)])
+    prefix = Prefix(pieces, ["▁aa", "", "▁ddc"])
+    for search in (options, beam):
+        on_gpu, on_cpu = decode_batch(gpu, src.cuda(), search, prefix), decode_batch(cpu, src, search, prefix)
+        assert [h[0].tokens for h in on_gpu] == [h[0].tokens for h in on_cpu]
 
 
 @pytest.mark.parametrize("beams", [1, 4])  # greedy search, beam search

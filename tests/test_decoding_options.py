@@ -201,6 +201,12 @@ def test_a_prefix_overrides_the_repetition_ban_and_min_len_while_it_lasts():
     assert _spelled(out[0].tokens).startswith("▁a▁a▁a") and out[0].score > float("-inf")
 
 
+def test_a_prefix_that_no_token_can_spell_leaves_its_row_free():
+    model, src = _model(), _sources()[:2]
+    out = greedy_or_sample(model, src, DecodeOptions(**LIMIT), Prefix(Pieces(PIECES), ["▁ab", "d"]))
+    assert out[1].tokens == greedy_or_sample(model, src, DecodeOptions(**LIMIT))[1].tokens
+
+
 def test_a_prefix_past_the_length_limit_still_leaves_room_for_one_token():
     model, src = _model(), _sources()[:1]
     out = greedy_or_sample(model, src, DecodeOptions(max_len_a=0, max_len_b=2), Prefix(Pieces(PIECES), ["▁abc▁abc"]))

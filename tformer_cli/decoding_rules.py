@@ -34,6 +34,10 @@ class Pieces:
             self._chars = self._chars.to(tokens.device)
         return self._chars[tokens]
 
+    def can_follow(self, left: str) -> bool:
+        """Whether some token fits in ``left`` or begins with it."""
+        return bool(self.next_tokens(left).any())
+
     def next_tokens(self, left: str) -> Tensor:
         """(V,) bool: the tokens that fit in ``left`` or begin with it (special tokens never)."""
         if left not in self._allowed:
@@ -81,7 +85,8 @@ class Prefix:
         than their prefix holds, and for each the tokens that may come next (r, V) bool; None when all
         rows are past their prefixes. Reads ``written`` on the host."""
         left = [self.texts[row][n:] for row, n in zip(rows, written.tolist())]
-        inside = [i for i, text in enumerate(left) if text]
+        # a text that no token fits (a vocabulary without single characters) leaves its row free
+        inside = [i for i, text in enumerate(left) if text and self.pieces.can_follow(text)]
         if not inside:
             return None
         allowed = torch.stack([self.pieces.next_tokens(left[i]) for i in inside])
