@@ -162,6 +162,8 @@ DECODE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "top_k": (lambda v: v >= 0, ">= 0 (0: no limit)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "epsilon": (lambda v: v is None or 0 <= v < 1, "in [0, 1) or null"),
+    "max_len_a": (lambda v: v >= 0, ">= 0"),
+    "max_len_b": (lambda v: v >= 0, ">= 0"),
 }
 
 
@@ -246,8 +248,6 @@ def validate(config: Config) -> list[str]:
     for key, (ok, expected) in DECODE_LIMITS.items():
         value = getattr(config.decode, key)
         need(ok(value), f"decode.{key}", f"must be {expected}, got {value}")
-    need(config.decode.max_len_a >= 0 and config.decode.max_len_b >= 0, "decode.max_len_a",
-         "max_len_a and max_len_b must be >= 0")
     return errors
 
 
