@@ -69,7 +69,7 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
     if cfg.data_files:
         if split not in cfg.data_files:
             raise DataError(f"data.data_files has no split '{split}' (has: {', '.join(cfg.data_files)}); "
-                            f"add it or set the split name in data.*_split")
+                            f"add it, or name another: data.*_split in training, --split with eval")
         files = cfg.data_files[split]
         files = [files] if isinstance(files, str) else list(files)
         _check_files(files)
@@ -310,7 +310,8 @@ def _load_named(name: str, subset: str | None, split: str):
         ) from exc
     if split not in dataset:
         raise DataError(f"dataset '{name}' has no split '{split}' (has: {', '.join(dataset)}); "
-                        "set data.train_split / validation_split / test_split")
+                        "name another: data.train_split / validation_split / test_split in training, --split "
+                        "with eval")
     return dataset[split]
 
 
