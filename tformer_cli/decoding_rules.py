@@ -4,6 +4,7 @@ must start with, no end of sentence before ``min_len`` tokens, and no repeated n
 from __future__ import annotations
 
 import bisect
+import functools
 import weakref
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,9 @@ class Pieces:
         self._ids = {p: i for i, p in enumerate(pieces) if p}
         self._sorted = sorted(self._ids)
         self._longest = max(map(len, self._ids), default=0)
-        self._allowed: dict[str, Tensor] = {}
+        # the masks of the texts met lately, as a batch's rows mostly share their prefix; not all of
+        # them, as a long-running generate meets ever new prefixes and a mask is V bytes
+        self.next_tokens = functools.lru_cache(maxsize=1024)(self._next_tokens)
 
     def chars(self, tokens: Tensor) -> Tensor:
         """How many characters each token writes."""
@@ -38,16 +41,15 @@ class Pieces:
         """Whether some token fits in ``left`` or begins with it."""
         return bool(self.next_tokens(left).any())
 
-    def next_tokens(self, left: str) -> Tensor:
-        """(V,) bool: the tokens that fit in ``left`` or begin with it (special tokens never)."""
-        if left not in self._allowed:
-            allowed = torch.zeros(self.size, dtype=torch.bool)
-            fitting = [self._ids[left[:n]] for n in range(1, min(len(left), self._longest) + 1) if left[:n] in self._ids]
-            start = bisect.bisect_left(self._sorted, left)
-            stop = bisect.bisect_left(self._sorted, left + "\U0010ffff", lo=start)
-            allowed[fitting + [self._ids[p] for p in self._sorted[start:stop]]] = True
-            self._allowed[left] = allowed
-        return self._allowed[left]
+    def _next_tokens(self, left: str) -> Tensor:
+        """(V,) bool: the tokens that fit in ``left`` or begin with it (special tokens never); kept for
+        the texts met lately as ``next_tokens``."""
+        allowed = torch.zeros(self.size, dtype=torch.bool)
+        fitting = [self._ids[left[:n]] for n in range(1, min(len(left), self._longest) + 1) if left[:n] in self._ids]
+        start = bisect.bisect_left(self._sorted, left)
+        stop = bisect.bisect_left(self._sorted, left + "\U0010ffff", lo=start)
+        allowed[fitting + [self._ids[p] for p in self._sorted[start:stop]]] = True
+        return allowed
 
 
 _PIECES: weakref.WeakKeyDictionary[Vocabulary, Pieces] = weakref.WeakKeyDictionary()  # built once a vocabulary
