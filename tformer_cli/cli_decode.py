@@ -158,7 +158,8 @@ def generate(
     seed: SeedOpt = None,
     nbest: Annotated[int, typer.Option(help="Hypotheses per input (tab-separated in plain output).")] = 1,
     max_new_tokens: Annotated[Optional[int], typer.Option(
-        help="At most this many output tokens (default: decode.max_len_a * source length + max_len_b).")] = None,
+        help="At most this many output tokens (default: decode.max_len_a * source length + max_len_b); "
+             "with --prefix, at least room for it and one token more.")] = None,
     min_len: MinLenOpt = None,
     no_repeat_ngram: NoRepeatOpt = None,
     prefix: Annotated[Optional[str], typer.Option(
