@@ -317,6 +317,11 @@ def test_generate_with_a_prefix_alignment_and_mbr_from_the_command_line(trained_
     assert unspellable.exit_code == 1 and "no token for '€'" in unspellable.output, unspellable.output
     piped = runner.invoke(app, ["generate", run, "--json-input"], input='{"input": "seven", "prefix": "€"}\n')
     assert piped.exit_code == 1 and "line 1: prefix" in piped.output, piped.output
+    # a key of the caller's own is left alone; one spelt almost like "prefix" would lose the prefix unseen
+    piped = runner.invoke(app, ["generate", run, "--json-input"], input='{"id": 3, "input": "seven"}\n')
+    assert piped.exit_code == 0 and len(piped.stdout.splitlines()) == 1, piped.output
+    piped = runner.invoke(app, ["generate", run, "--json-input"], input='{"input": "seven"}\n{"input": "x", "prefx": "z"}\n')
+    assert piped.exit_code == 1 and "line 2: unknown key 'prefx'; did you mean 'prefix'?" in piped.output, piped.output
     aligned = runner.invoke(app, ["generate", run, "twenty-one", "three hundred", "--align"])
     assert aligned.exit_code == 0, aligned.output
     out = aligned.stdout.splitlines()

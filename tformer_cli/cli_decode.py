@@ -298,7 +298,9 @@ def check_prefix(vocab: Vocabulary, where: str, prefix: str | None) -> None:
 
 def json_lines(lines, default_prefix: str | None, vocab: Vocabulary):
     """(text, prefix) from JSON lines {"input": TEXT, "prefix": TEXT}; a line that is not one, or whose
-    prefix the target vocabulary cannot spell, is a one-line error naming it."""
+    prefix the target vocabulary cannot spell, or with a key spelt almost like one of those two, is a
+    one-line error naming it."""
+    import difflib
     import json
 
     for number, line in enumerate(lines, 1):
@@ -307,6 +309,10 @@ def json_lines(lines, default_prefix: str | None, vocab: Vocabulary):
         except json.JSONDecodeError as exc:
             raise UsageError(f"standard input, line {number}: not JSON ({exc.msg}); --json-input reads lines like "
                              '{"input": "text", "prefix": "start"}') from None
+        for key in record.keys() - {"input", "prefix"} if isinstance(record, dict) else ():
+            close = difflib.get_close_matches(key, ["input", "prefix"], n=1)  # others ("id", ...) are ignored
+            if close:  # a misspelt prefix would be ignored without a word
+                raise UsageError(f"standard input, line {number}: unknown key {key!r}; did you mean {close[0]!r}?")
         if not isinstance(record, dict) or not isinstance(record.get("input"), str) \
                 or not isinstance(record.get("prefix", ""), str):
             raise UsageError(f'standard input, line {number}: expected {{"input": TEXT}}, optionally with '
