@@ -110,6 +110,16 @@ def test_extends_merges_sections_and_round_trips(tmp_path):
     assert load_config(again).model == cfg.model
 
 
+def test_yaml_merge_keys_still_read_while_a_key_given_twice_is_refused(tmp_path):
+    merged = tmp_path / "merged.yaml"  # a YAML merge overridden in the same mapping is not a key given twice
+    merged.write_text("model:\n  <<: {d_model: 64, num_heads: 2}\n  num_heads: 4\n")
+    assert (load_config(merged).model.d_model, load_config(merged).model.num_heads) == (64, 4)
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  lr: 0.5\n  warmup_steps: 7\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match="line 4: 'lr' is given twice; keep one"):
+        load_config(path)
+
+
 def test_bad_config_through_the_cli_is_one_line_per_mistake_and_exit_1(tmp_path):
     bad = tmp_path / "x.yaml"
     bad.write_text("model:\n  d_model: 500\n")

@@ -19,6 +19,25 @@ import yaml
 from tformer_cli.errors import ConfigError, first_line
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last, and the
+    first value (a whole section, say) would be lost without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *base": its keys may be given again
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue  # refused by PyYAML's own construct_mapping
+            if key in keys:
+                raise yaml.constructor.ConstructorError(None, None, f"{_quoted(key)} is given twice; keep one",
+                                                        key_node.start_mark)
+            keys.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: Path, sections: typing.Collection[str], seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """The file's mapping of sections, merged over the file it ``extends`` (relative to it).
 
@@ -31,7 +50,7 @@ def read_yaml(path: Path, sections: typing.Collection[str], seen: tuple[Path, ..
     if path.resolve() in seen:
         raise ConfigError(f"{path}: 'extends' forms a cycle; remove one of the extends lines")
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        data = yaml.load(path.read_bytes().decode("utf-8"), Loader=_UniqueKeyLoader)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
     except yaml.YAMLError as exc:
