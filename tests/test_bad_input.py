@@ -209,6 +209,8 @@ def _data_cases() -> list[Case]:
         Case("data/train/split-missing", TRAIN, "has no split 'dev'",
              files={"c.yaml": _config(data={"validation_split": "dev"})}),
         Case("data/eval/split-missing", ["eval", "{run}", "--split", "dev"], "has no split 'dev'"),
+        Case("data/train/no-validation-file", TRAIN, "(or data.validation_split: null to train without one)",
+             files={"d/train.jsonl": (NUMBERS / "train.jsonl").read_text(), "c.yaml": _config(data={"dataset": "{tmp}/d"})}),
     ]
     return cases
 
@@ -331,6 +333,7 @@ def test_bad_input_is_one_line_a_nonzero_exit_and_nothing_changed(case, tmp_path
     for name, content in case.files.items():
         for key, value in fill.items():
             content = content.replace(key, value) if isinstance(content, str) else content
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_bytes(content.encode() if isinstance(content, str) else content)
     argv = [_fill(arg, fill) for arg in case.argv]
     before = _snapshot(tmp_path)

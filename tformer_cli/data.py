@@ -68,8 +68,7 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
     """
     if cfg.data_files:
         if split not in cfg.data_files:
-            raise DataError(f"data.data_files has no split '{split}' (has: {', '.join(cfg.data_files)}); "
-                            f"add it, or name another: data.*_split in training, --split with eval")
+            raise _missing_split("data.data_files", split, list(cfg.data_files), cfg)
         files = cfg.data_files[split]
         files = [files] if isinstance(files, str) else list(files)
         _check_files(files)
@@ -82,7 +81,10 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
             _check_files(tsv)
             pairs = _tsv_pairs(tsv, cfg, where)
         else:
-            pairs = _columns(_load_named(cfg.dataset, cfg.subset, split), cfg, where)
+            splits = _load_named(cfg.dataset, cfg.subset)
+            if split not in splits:
+                raise _missing_split(f"dataset '{cfg.dataset}'", split, list(splits), cfg)
+            pairs = _columns(splits[split], cfg, where)
     except UnicodeDecodeError as exc:
         raise _not_utf8(where, exc) from None
     if not len(pairs):
@@ -278,7 +280,14 @@ def _first_fields(path: str) -> list[str]:
         return f.readline().rstrip("\r\n").split("\t")[:2]
 
 
-def _load_named(name: str, subset: str | None, split: str):
+def _missing_split(what: str, split: str, found: list[str], cfg: DataConfig) -> DataError:
+    no_validation = " (or data.validation_split: null to train without one)" if split == cfg.validation_split else ""
+    return DataError(f"{what} has no split '{split}' (has: {', '.join(found)}); add it, or name another: "
+                     f"data.train_split / validation_split / test_split in training{no_validation}, --split with eval")
+
+
+def _load_named(name: str, subset: str | None):
+    """The splits of a hub dataset or a local dataset folder."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -308,11 +317,7 @@ def _load_named(name: str, subset: str | None, split: str):
             f"and from the Hugging Face hub{why} point at local data: "
             "train --set data.dataset=path/to/folder (or data.data_files), eval --data-files FILE"
         ) from exc
-    if split not in dataset:
-        raise DataError(f"dataset '{name}' has no split '{split}' (has: {', '.join(dataset)}); "
-                        "name another: data.train_split / validation_split / test_split in training, --split "
-                        "with eval")
-    return dataset[split]
+    return dataset
 
 
 def _wrong_subset(name: str, subset: str | None) -> str | None:
