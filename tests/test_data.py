@@ -62,6 +62,20 @@ def test_jsonl_csv_parquet_and_gzip_give_the_same_pairs(tmp_path):
         assert load_pairs(cfg, "train") == expected, name
 
 
+def test_a_file_rewritten_with_the_same_time_of_change_is_read_again(tmp_path):
+    """datasets keys its cache of a local file by the file's time of change, which a file rewritten
+    within one tick of the clock keeps: it gave back the earlier table."""
+    rows = [{"de": f"d{i}", "en": f"e{i}"} for i in range(5)]
+    for name, write in (("t.jsonl", lambda path, r: _jsonl(path, r)),
+                        ("t.tsv", lambda path, r: path.write_text("".join(f"{x['de']}\t{x['en']}\n" for x in r)))):
+        path = tmp_path / name
+        cfg = DataConfig(data_files={"train": str(path)}, source="de", target="en")
+        for count in (3, 5):  # the second version is longer, with the first's time of change
+            write(path, rows[:count])
+            os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+            assert load_pairs(cfg, "train") == [(r["de"], r["en"]) for r in rows[:count]], (name, count)
+
+
 def test_tab_separated_pairs_with_or_without_a_header(tmp_path):
     rows = [*ROWS, {"de": 'er sagte "ja"', "en": 'he said "yes"'}, {"de": "42", "en": "42"}]  # quotes are text
     lines = [f"{r['de']}\t{r['en']}\tCC-BY 2.0 (France) Attribution: tatoeba.org\n" for r in rows]

@@ -9,6 +9,7 @@ tokenised and cached by ``encoding.py`` and batched by ``batching.py``.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 import socket
 from collections.abc import Iterator
@@ -179,7 +180,8 @@ def _load_files(fmt: str, files: list[str], **options: Any):
     failed: list[str] = []
     try:
         with _datasets_errors(failed):
-            return datasets.load_dataset(fmt, data_files={"split": files}, split="split", **options)
+            return datasets.load_dataset(fmt, _version_name(files), data_files={"split": files}, split="split",
+                                         **options)
     except Exception as exc:  # datasets raises many kinds for unreadable files, the cause chained inside
         cause = _root_cause(exc)
         if isinstance(cause, UnicodeDecodeError):
@@ -284,6 +286,15 @@ def _missing_split(what: str, split: str, found: list[str], cfg: DataConfig) -> 
     no_validation = " (or data.validation_split: null to train without one)" if split == cfg.validation_split else ""
     return DataError(f"{what} has no split '{split}' (has: {', '.join(found)}); add it, or name another: "
                      f"data.train_split / validation_split / test_split in training{no_validation}, --split with eval")
+
+
+def _version_name(files: list[str]) -> str:
+    """A ``datasets`` config name that changes with the size or the time of change of the local
+    ``files``. ``datasets`` keys its cache of a local file by the time of change alone, which a file
+    rewritten within one tick of the clock (or one second, on some file systems) keeps: it gave back the
+    earlier table. With the size in the name too, a file that changed length is read again."""
+    stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files if os.path.isfile(f)]
+    return "tformer-" + hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
 
 
 def _load_named(name: str, subset: str | None):
