@@ -74,6 +74,13 @@ def test_a_file_rewritten_with_the_same_time_of_change_is_read_again(tmp_path):
             write(path, rows[:count])
             os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
             assert load_pairs(cfg, "train") == [(r["de"], r["en"]) for r in rows[:count]], (name, count)
+    folder = tmp_path / "corpus"  # a dataset folder, which datasets loads by itself
+    folder.mkdir()
+    for count in (3, 5):
+        _jsonl(folder / "train.jsonl", rows[:count])
+        os.utime(folder / "train.jsonl", ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+        assert load_pairs(DataConfig(dataset=str(folder), source="de", target="en"), "train") == \
+            [(r["de"], r["en"]) for r in rows[:count]], ("folder", count)
 
 
 def test_tab_separated_pairs_with_or_without_a_header(tmp_path):
