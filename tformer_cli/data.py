@@ -288,18 +288,26 @@ def _missing_split(what: str, split: str, found: list[str], cfg: DataConfig) -> 
                      f"data.train_split / validation_split / test_split in training{no_validation}, --split with eval")
 
 
-def _version_name(files: list[str]) -> str:
-    """A name that changes with the size or the time of change of the local ``files``: the ``datasets``
-    config name of data files, and the cache folder of a dataset folder. ``datasets`` keys its cache of
-    a local file by the time of change alone, which a file rewritten within one tick of the clock (or
-    one second, on some file systems) keeps: it gave back the earlier table. With the size in the name
-    too, a file that changed length is read again."""
-    stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files if os.path.isfile(f)]
-    return "tformer-" + hashlib.sha256(repr(stats).encode()).hexdigest()[:16]
+def file_versions(path: Path | str) -> Any:
+    """What tells one version of local data from another: (path, size, time of change in ns) of a file,
+    or of each file in a folder; the path alone where there is nothing."""
+    path = Path(path)
+    if path.is_dir():
+        return sorted(file_versions(file) for file in path.rglob("*") if file.is_file())
+    try:
+        stat = path.stat()
+    except OSError:
+        return str(path)
+    return str(path), stat.st_size, stat.st_mtime_ns
 
 
-def _files_in(folder: str) -> list[str]:
-    return sorted(str(path) for path in Path(folder).rglob("*") if path.is_file())
+def _version_name(paths: list[str]) -> str:
+    """A name that changes with the size or the time of change of the local files (or folder) ``paths``:
+    the ``datasets`` config name of data files, and the cache folder of a dataset folder. ``datasets``
+    keys its cache of a local file by the time of change alone, which a file rewritten within one tick
+    of the clock (or one second, on some file systems) keeps: it gave back the earlier table. With the
+    size in the name too, a file that changed length is read again."""
+    return "tformer-" + hashlib.sha256(repr([file_versions(p) for p in paths]).encode()).hexdigest()[:16]
 
 
 def _load_named(name: str, subset: str | None):
@@ -316,7 +324,7 @@ def _load_named(name: str, subset: str | None):
     try:
         with _hub_offline() if unreachable else nullcontext(), _datasets_errors(failed):
             # a folder's tables cached apart per version of its files (see _version_name)
-            cache = Path(datasets.config.HF_DATASETS_CACHE, "tformer", _version_name(_files_in(name))) if local else None
+            cache = Path(datasets.config.HF_DATASETS_CACHE, "tformer", _version_name([name])) if local else None
             dataset = datasets.load_dataset(name, subset, cache_dir=str(cache) if cache else None)
     except Exception as exc:
         wrong_subset = None if unreachable else _wrong_subset(name, subset)

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from tformer_cli.config import DataConfig
-from tformer_cli.data import read_pairs
+from tformer_cli.data import file_versions, read_pairs
 from tformer_cli.errors import CheckpointError, DataError, first_line
 from tformer_cli.files import error_number, replacing
 from tformer_cli.sequences import Sequences, TextPairs
@@ -81,14 +81,8 @@ def data_fingerprint(cfg: DataConfig, split: str, *extra: Any) -> str:
     files = cfg.data_files.get(split, []) if cfg.data_files else []
     files = [files] if isinstance(files, str) else files
     paths = [Path(p) for p in files] + ([Path(cfg.dataset)] if not cfg.data_files and cfg.dataset else [])
-    spec["stat"] = [_stat(p) for p in paths]
+    spec["stat"] = [file_versions(p) for p in paths]
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def _stat(path: Path) -> Any:
-    if path.is_dir():
-        return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file())
-    return (str(path), path.stat().st_size, path.stat().st_mtime_ns) if path.exists() else str(path)
 
 
 def encode_split(pairs: Sequence[tuple[str, str]], vocab: Vocabulary, cfg: DataConfig) -> EncodedSplit:
