@@ -118,7 +118,8 @@ def _greedy_loop(models: Ensemble, src: Tensor, encoded, limits: Tensor, options
     lengths = limits.clone()
     alive = torch.arange(B, device=device)  # original row of each row still decoding
     last = torch.full((B, 1), BOS_ID, dtype=torch.long, device=device)
-    written = torch.zeros(B, dtype=torch.long, device=device)  # characters of each row's prefix written
+    # characters of its prefix each row has written
+    written = torch.zeros(B, dtype=torch.long, device=device) if prefix is not None else None
     for t in range(int(limits.max())):
         log_probs, attention = models.next_log_probs(last, encoded, cache, options.align_layer)  # (b, V)
         inside = prefix.inside(alive.tolist(), written[alive]) if prefix is not None else None
@@ -206,7 +207,8 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
     history = torch.empty(B * K, 0, dtype=torch.long, device=device)
     aligned = history.clone() if options.align_layer is not None else None  # a source position per token
     last = torch.full((B * K, 1), BOS_ID, dtype=torch.long, device=device)
-    written = torch.zeros(B * K, dtype=torch.long, device=device)  # characters of the prefix each beam wrote
+    # characters of its prefix each beam has written
+    written = torch.zeros(B * K, dtype=torch.long, device=device) if prefix is not None else None
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     alive = list(range(B))  # original sentence of each block of K rows
 
@@ -227,7 +229,7 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
         inside = prefix.inside([s for s in alive for _ in range(K)], written) if prefix is not None else None
         constrain(log_probs, t, options, history if options.no_repeat_ngram else None, inside)
         if inside is None:
-            prefix = None  # every beam is past its prefix
+            prefix = written = None  # every beam is past its prefix
         V = log_probs.shape[-1]
         candidates = log_probs.add_(scores.view(n * K, 1)).view(n, K * V)  # in place: log_probs is not needed after
         top_scores, top_index = topk(candidates, 2 * K)  # (n, 2K): at most K of them end in EOS
@@ -256,8 +258,9 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
             keep_rows = [i for i, d in enumerate(done) if not d]
             rows = torch.tensor([r * K + k for r in keep_rows for k in range(K)], device=device)
             alive = [alive[r] for r in keep_rows]
-            scores, history, last, written = scores[keep_rows], history[rows], last[rows], written[rows]
+            scores, history, last = scores[keep_rows], history[rows], last[rows]
             aligned = aligned[rows] if aligned is not None else None
+            written = written[rows] if written is not None else None
             cache.select(rows)
     return [sorted(hyps, key=lambda h: -h.normalized)[: options.nbest] for hyps in finished]
 
@@ -346,7 +349,7 @@ def translate(model: torch.nn.Module | Ensemble, vocab: Vocabulary, texts: list[
     results = [Translation(text, [("", Hypothesis([], 0.0, 0.0))], len(s) > max_len) for text, s in zip(texts, ids)]
     ids = [s[: max_len - 1] + s[-1:] if len(s) > max_len else s for s in ids]
     order = sorted((i for i, text in enumerate(texts) if text.strip()), key=lambda i: len(ids[i]))
-    prefixed = Prefix.of(vocab, prefixes) if prefixes and any(text.strip() for text in prefixes) else None
+    prefixed = Prefix.of(vocab, prefixes) if prefixes else None
     search = options.candidates() if options.mbr else options
     metric = sentence_metric(options.mbr_metric) if options.mbr else None
     batch_size = sentences_per_batch(options, batch_size)

@@ -37,18 +37,17 @@ class Pieces:
             self._chars = self._chars.to(tokens.device)
         return self._chars[tokens]
 
-    def can_follow(self, left: str) -> bool:
-        """Whether some token fits in ``left`` or begins with it."""
-        return bool(self.next_tokens(left).any())
-
-    def _next_tokens(self, left: str) -> Tensor:
-        """(V,) bool: the tokens that fit in ``left`` or begin with it (special tokens never); kept for
-        the texts met lately as ``next_tokens``."""
-        allowed = torch.zeros(self.size, dtype=torch.bool)
+    def _next_tokens(self, left: str) -> Tensor | None:
+        """(V,) bool: the tokens that fit in ``left`` or begin with it (special tokens never); None where
+        there is none. Kept for the texts met lately as ``next_tokens``."""
         fitting = [self._ids[left[:n]] for n in range(1, min(len(left), self._longest) + 1) if left[:n] in self._ids]
         start = bisect.bisect_left(self._sorted, left)
         stop = bisect.bisect_left(self._sorted, left + "\U0010ffff", lo=start)
-        allowed[fitting + [self._ids[p] for p in self._sorted[start:stop]]] = True
+        ids = fitting + [self._ids[p] for p in self._sorted[start:stop]]
+        if not ids:
+            return None
+        allowed = torch.zeros(self.size, dtype=torch.bool)
+        allowed[ids] = True
         return allowed
 
 
@@ -87,12 +86,13 @@ class Prefix:
         than their prefix holds, and for each the tokens that may come next (r, V) bool; None when all
         rows are past their prefixes. Reads ``written`` on the host."""
         left = [self.texts[row][n:] for row, n in zip(rows, written.tolist())]
+        masks = [(i, self.pieces.next_tokens(text)) for i, text in enumerate(left) if text]
         # a text that no token fits (a vocabulary without single characters) leaves its row free
-        inside = [i for i, text in enumerate(left) if text and self.pieces.can_follow(text)]
-        if not inside:
+        masks = [(i, mask) for i, mask in masks if mask is not None]
+        if not masks:
             return None
-        allowed = torch.stack([self.pieces.next_tokens(left[i]) for i in inside])
-        return torch.tensor(inside, device=written.device), allowed.to(written.device)
+        inside, allowed = zip(*masks)
+        return torch.tensor(inside, device=written.device), torch.stack(allowed).to(written.device)
 
 
 def max_new_tokens(src: Tensor, pad_id: int, options: DecodeOptions, model_max_len: int,
