@@ -309,9 +309,10 @@ def json_lines(lines, default_prefix: str | None, vocab: Vocabulary):
         except json.JSONDecodeError as exc:
             raise UsageError(f"standard input, line {number}: not JSON ({exc.msg}); --json-input reads lines like "
                              '{"input": "text", "prefix": "start"}') from None
-        for key in record.keys() - {"input", "prefix"} if isinstance(record, dict) else ():
-            close = difflib.get_close_matches(key, ["input", "prefix"], n=1)  # others ("id", ...) are ignored
-            if close:  # a misspelt prefix would be ignored without a word
+        others = record.keys() - {"input", "prefix"} if isinstance(record, dict) else set()
+        for key in others:  # ignored ("id", ...), unless spelt almost like ours: a misspelt prefix would be lost
+            close = difflib.get_close_matches(key, ["input", "prefix"], n=1)
+            if close:
                 raise UsageError(f"standard input, line {number}: unknown key {key!r}; did you mean {close[0]!r}?")
         if not isinstance(record, dict) or not isinstance(record.get("input"), str) \
                 or not isinstance(record.get("prefix", ""), str):
