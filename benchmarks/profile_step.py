@@ -171,9 +171,9 @@ def profile_decoding(args: argparse.Namespace, size: systems.Size, device: torch
     systems.HOLD_FOR_DECODING = False  # autocast first; then the model held in bf16
     decoder = systems.Tformer(size, device)
     decodes = []  # (workload, one batch of it decoded)
-    workloads = () if args.no_decode else (("greedy", 8192, 1), ("beam 4", 2048, 4))
-    for label, batch_tokens, beams in workloads:  # as --scale paper batches them
-        sources = systems.paper_sources(size, args.sentences, batch_tokens, device)
+    workloads = () if args.no_decode else (("greedy", 1), ("beam 4", 4))
+    for label, beams in workloads:  # as --scale paper batches them
+        sources = systems.paper_sources(size, args.sentences, 8192, beams, device)
         src, new_tokens = sources[len(sources) // 2]  # a batch of middling length
 
         def decode(src=src, new_tokens=new_tokens, beams=beams):

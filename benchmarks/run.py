@@ -70,8 +70,9 @@ def _now(device: torch.device) -> float:
 
 PRECISION = "fp32"  # set once by main(): every system runs under the same autocast
 PAPER: tuple[int, int, int] | None = None  # set by main() with --scale paper: (tokens a step, steps, sentences)
-# --scale paper decodes batches of at most this many source tokens (beam search: times its 4 beams)
-PAPER_DECODE_TOKENS = {"greedy": 8192, "beam": 2048}
+# --scale paper decodes batches of at most this many hypothesis tokens (sentences x beams x longest
+# source), as `tformer eval --max-tokens 8192`
+PAPER_DECODE_TOKENS = 8192
 PEER_ADAMW = "both"  # --peer-adamw: the peers train with plain and with fused AdamW, or "fused" only
 
 
@@ -148,7 +149,7 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
         if PAPER is None:  # one batch, exactly 24 new tokens a sentence
             batches, work, unit = [(make_batch(SIZES[size], batch_size, 24, device).src, 24)], batch_size * 24, "new tok/s"
         else:  # a test set of real lengths
-            batches = paper_sources(SIZES[size], PAPER[2], PAPER_DECODE_TOKENS[workload], device)
+            batches = paper_sources(SIZES[size], PAPER[2], PAPER_DECODE_TOKENS, beams, device)
             work, unit = sum(src.shape[0] for src, _ in batches), "sentences/s"
         contenders = [s for s in contenders if s.decodes]
         if workload == "beam":

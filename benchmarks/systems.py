@@ -102,21 +102,22 @@ def paper_batches(size: Size, target_tokens: int, count: int, device: torch.devi
     return batches
 
 
-def paper_sources(size: Size, sentences: int, batch_tokens: int, device: torch.device,
+def paper_sources(size: Size, sentences: int, max_tokens: int, beams: int, device: torch.device,
                   seed: int = 0) -> list[tuple[torch.Tensor, int]]:
     """``sentences`` sources with real lengths (``paper_lengths``) in length order, as ``tformer eval``
-    orders a test set, batched by tokens (``tformer eval`` cuts by sentences, 256 hypotheses a batch:
-    at real lengths about as many as 8,192 tokens hold), each batch with the tokens to decode for it:
-    its longest source's length (a translation is about as long as its source; no system stops early)."""
-    from tformer_cli.batching import token_batches
+    orders a test set, cut as ``tformer eval --max-tokens`` cuts them (``decoding_batches``: at most
+    ``max_tokens`` hypothesis tokens, sentences x ``beams`` x longest source), each batch with the
+    tokens to decode for it: its longest source's length (a translation is about as long as its
+    source; no system stops early)."""
+    from tformer_cli.decoding import DecodeOptions, decoding_batches
 
     generator = torch.Generator().manual_seed(seed)
-    lengths, _ = paper_lengths(sentences, generator)
+    lengths = sorted(paper_lengths(sentences, generator)[0])
     batches = []
-    for indices in token_batches(lengths, lengths, batch_tokens, shuffle=False):
-        longest = max(lengths[i] for i in indices)
-        src = torch.full((len(indices), longest), PAD, dtype=torch.long)
-        for row, i in enumerate(indices):
+    for batch in decoding_batches(lengths, DecodeOptions(beam_size=beams), max_tokens=max_tokens):
+        longest = lengths[batch.stop - 1]
+        src = torch.full((len(batch), longest), PAD, dtype=torch.long)
+        for row, i in enumerate(batch):
             src[row, :lengths[i]] = torch.randint(4, size.vocab, (lengths[i],), generator=generator)
             src[row, lengths[i] - 1] = EOS
         batches.append((src.to(device), longest))

@@ -94,11 +94,12 @@ def test_paper_scale_decoding_translates_a_test_set_batched_by_tokens():
     import torch
     from systems import EOS, PAD, SIZES, paper_sources
 
-    batches = paper_sources(SIZES["small"], 3000, 8192, torch.device("cpu"))
-    assert sum(src.shape[0] for src, _ in batches) == 3000
-    for src, new_tokens in batches:  # every sentence once, its EOS last, as many new tokens as the longest source
-        assert src.numel() <= 8192 and new_tokens == src.shape[1] and ((src == EOS).sum(dim=1) == 1).all()
-        assert (src[:, -1] == EOS).any() and (src[:, 0] != PAD).all()
+    for beams in (1, 4):  # hypothesis tokens: sentences x beams x longest source
+        batches = paper_sources(SIZES["small"], 3000, 8192, beams, torch.device("cpu"))
+        assert sum(src.shape[0] for src, _ in batches) == 3000
+        for src, new_tokens in batches:  # every sentence once, its EOS last, as many new tokens as the longest source
+            assert src.numel() * beams <= 8192 and new_tokens == src.shape[1] and ((src == EOS).sum(dim=1) == 1).all()
+            assert (src[:, -1] == EOS).any() and (src[:, 0] != PAD).all()
 
 
 def test_a_run_cut_short_keeps_the_workloads_it_finished(tmp_path, monkeypatch):

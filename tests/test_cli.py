@@ -152,6 +152,26 @@ def test_eval_reports_scores_and_writes_hypotheses(run_dir, tmp_path):
     assert table.exit_code == 0 and "BLEU" in table.output and "sacreBLEU nrefs:1" in table.output
 
 
+def test_eval_and_generate_decode_in_batches_of_max_tokens(run_dir, monkeypatch):
+    import tformer_cli.decoding as decoding
+
+    args = ["eval", str(run_dir), "--split", "validation", "--max-samples", "12", "--beam", "2", "--json"]
+    plain = json.loads(runner.invoke(app, args).stdout)
+    rows, decode = [], decoding.decode_batch
+    monkeypatch.setattr(decoding, "decode_batch", lambda *a: rows.append(a[1].shape) or decode(*a))
+    budgeted = json.loads(runner.invoke(app, args + ["--max-tokens", "40"]).stdout)
+    assert len(rows) > 1 and all(n * 2 * length <= 40 or n == 1 for n, length in rows)
+    assert budgeted["bleu"] == plain["bleu"] and budgeted["loss"] == plain["loss"]
+    texts = ["seven", "three hundred twelve", "eight", "forty-one"]
+    alone = runner.invoke(app, ["generate", str(run_dir), *texts, "--batch-size", "1"])
+    rows.clear()
+    budgeted = runner.invoke(app, ["generate", str(run_dir), *texts, "--max-tokens", "24"])
+    assert budgeted.exit_code == 0 and budgeted.stdout == alone.stdout and len(rows) > 1
+    for command in (["eval", str(run_dir)], ["generate", str(run_dir), "seven"]):
+        bad = runner.invoke(app, command + ["--max-tokens", "0"])
+        assert bad.exit_code == 1 and bad.output.strip() == "error: --max-tokens 0: must be >= 1", bad.output
+
+
 def test_eval_and_generate_under_bf16_autocast(run_dir):
     args = ["eval", str(run_dir), "--split", "validation", "--max-samples", "16", "--beam", "1", "--json"]
     fp32 = json.loads(runner.invoke(app, args).stdout)
@@ -388,7 +408,7 @@ def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, mon
                            "tokens a step); a run with checkpoints goes on with tformer train --resume RUN "
                            "--set train.max_tokens=..."),
                           (["generate", str(run_dir), "seven"],
-                           "error: out of CPU memory: lower --batch-size (sentences decoded together)")):
+                           "error: out of CPU memory: lower --batch-size or --max-tokens (what is decoded together)")):
         result = runner.invoke(app, command)
         assert result.exit_code == 1 and result.output.strip() == line, result.output
     monkeypatch.setattr(decoding, "translate", lambda *args: 1 / 0)  # other errors are not hidden

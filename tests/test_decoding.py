@@ -170,6 +170,43 @@ def test_by_default_a_batch_holds_256_hypotheses(model, monkeypatch, options, se
     assert decoding.sentences_per_batch(options) == sentences
 
 
+@pytest.mark.parametrize("options", [DecodeOptions(), DecodeOptions(beam_size=4),
+                                     DecodeOptions(sample=True, nbest=3)])
+@pytest.mark.parametrize("batch_size, max_tokens", [(None, 200), (5, 200), (None, 7), (3, None), (None, None)])
+def test_decoding_batches_are_the_longest_runs_within_both_limits(options, batch_size, max_tokens):
+    from tformer_cli.decoding import decoding_batches, hypotheses_per_sentence
+
+    lengths = sorted(torch.randint(2, 40, (300,), generator=torch.Generator().manual_seed(0)).tolist())
+    batches = decoding_batches(lengths, options, batch_size, max_tokens)
+    width = hypotheses_per_sentence(options)
+    cap = batch_size or (len(lengths) if max_tokens else 256 // width)
+
+    def fits(start, end):  # sentences start..end-1 in one batch
+        tokens = (end - start) * width * lengths[end - 1]
+        return end - start <= cap and (max_tokens is None or tokens <= max_tokens or end - start == 1)
+
+    assert [i for batch in batches for i in batch] == list(range(len(lengths)))  # in order, each once
+    for batch in batches:
+        assert fits(batch.start, batch.stop)
+        assert batch.stop == len(lengths) or not fits(batch.start, batch.stop + 1)  # nothing more fits
+
+
+def test_a_token_budget_changes_the_batches_not_the_translations(model, monkeypatch):
+    import tformer_cli.decoding as decoding
+
+    vocab = Vocabulary.train([("a b c d e f", "a b c d e f")] * 3, vocab_size=VOCAB, min_frequency=1)
+    texts = [" ".join("abcdef"[(i * j) % 6] for j in range(1 + i % 9)) for i in range(40)]
+    options = DecodeOptions(beam_size=3, max_len_a=0, max_len_b=6)
+    shapes, decode = [], decoding.decode_batch
+    monkeypatch.setattr(decoding, "decode_batch", lambda *a: shapes.append(tuple(a[1].shape)) or decode(*a))
+    budgeted = translate(model, vocab, texts, options, max_tokens=60)
+    assert len(shapes) > 3 and all(rows * 3 * length <= 60 or rows == 1 for rows, length in shapes)
+    alone = translate(model, vocab, texts, options, batch_size=1)
+    for a, b in zip(budgeted, alone):
+        assert a.outputs[0][0] == b.outputs[0][0]
+        assert a.outputs[0][1].score == pytest.approx(b.outputs[0][1].score, abs=1e-4)
+
+
 def test_sampling_nbest_draws_several_samples_per_source(model):
     src = _sources()
     options = DecodeOptions(sample=True, temperature=2.0, seed=5, nbest=4, max_len_a=0, max_len_b=8)

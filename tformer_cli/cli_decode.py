@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from tformer_cli.cli_options import (
-    ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, InputLines, JsonOpt, PrecisionOpt, RunArg,
-    check_decoding_flags, check_text, load_for_decoding)
+    ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, InputLines, JsonOpt, MaxTokensOpt, PrecisionOpt,
+    RunArg, check_decoding_flags, check_text, load_for_decoding)
 from tformer_cli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -78,6 +78,7 @@ def eval_command(
     epsilon: EpsilonOpt = None,
     seed: SeedOpt = None,
     batch_size: BatchOpt = None,
+    max_tokens: MaxTokensOpt = None,
     length_penalty: AlphaOpt = None,
     device: DecodeDeviceOpt = None,
     precision: PrecisionOpt = "fp32",
@@ -103,7 +104,7 @@ def eval_command(
     from tformer_cli.files import write_text_atomic
     from tformer_cli.render import eval_table, print_json, warn
 
-    check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_samples=max_samples,
+    check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_tokens=max_tokens, max_samples=max_samples,
                          length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram,
                          epsilon=epsilon)
     check_mbr(mbr, mbr_metric, mbr_candidates)
@@ -130,7 +131,7 @@ def eval_command(
     with amp:
         result = evaluate_run(models, loaded.vocab, data, split, options,
                               batch_size or loaded.config.decode.batch_size, loaded.config.train.max_tokens, dev,
-                              loaded.config.train.batch_multiple)
+                              loaded.config.train.batch_multiple, max_tokens or loaded.config.decode.max_tokens)
     hypotheses = result.pop("hypotheses")
     if result["empty_references"]:
         warn(f"{result['empty_references']} of {result['sentences']} references are empty: their translations are "
@@ -177,6 +178,7 @@ def generate(
     mbr_metric: MbrMetricOpt = "chrf",
     mbr_candidates: MbrCandidatesOpt = "sample",
     batch_size: BatchOpt = None,
+    max_tokens: MaxTokensOpt = None,
     length_penalty: AlphaOpt = None,
     device: DecodeDeviceOpt = None,
     precision: PrecisionOpt = "fp32",
@@ -200,8 +202,8 @@ def generate(
     from tformer_cli.render import generation_lines, warn
     from tformer_cli.runtime import load_ensemble
 
-    check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, epsilon=epsilon,
+    check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_tokens=max_tokens,
+                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, epsilon=epsilon,
                          length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram,
                          align_layer=align_layer)
     check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
@@ -225,7 +227,8 @@ def generate(
         top_k=top_k, top_p=top_p, epsilon=epsilon, seed=seed, nbest=nbest, length_penalty=length_penalty,
         min_len=min_len, no_repeat_ngram=no_repeat_ngram, align_layer=(align_layer or layers) - 1 if align else None,
         mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
-    size = sentences_per_batch(options, batch_size or loaded.config.decode.batch_size)
+    batch_size, max_tokens = batch_size or loaded.config.decode.batch_size, max_tokens or loaded.config.decode.max_tokens
+    size = sentences_per_batch(options, batch_size, max_tokens)
     if texts:
         inputs, chunk_size, waiting = ((text, prefix) for text in texts), len(texts), None
     else:  # a batch holds the lines there are, up to its size: a line typed or sent alone is answered at once
@@ -237,10 +240,10 @@ def generate(
         prefixes = [p or "" for _, p in chunk]
         sources, prefixes = [text for text, _ in chunk], prefixes if any(prefixes) else None
         if ct2 is not None:
-            results = ct2.translate(sources, options, size, prefixes)
+            results = ct2.translate(sources, options, batch_size, prefixes, max_tokens)
         else:
             with amp:
-                results = translate(models, loaded.vocab, sources, options, size, dev, prefixes)
+                results = translate(models, loaded.vocab, sources, options, batch_size, dev, prefixes, max_tokens)
         for result in results:
             if result.truncated:
                 warn(f"input longer than the model's {loaded.config.model.max_len} positions was truncated: "

@@ -32,8 +32,12 @@ RunArg = Annotated[Path, typer.Argument(help="Run folder (or a checkpoint folder
 # decoding, for eval and generate
 BeamOpt = Annotated[Optional[int], typer.Option(
     "--beam-size", "--beam", help="decode.beam_size: 1 is greedy (default: the run's config).")]
-BatchOpt = Annotated[Optional[int], typer.Option(help="Sentences per batch (default: config; else 256 / beam).",
-                                                 rich_help_panel=ADVANCED)]
+BatchOpt = Annotated[Optional[int], typer.Option(
+    help="Sentences per batch (default: config; else 256 / beam, or as --max-tokens allows).",
+    rich_help_panel=ADVANCED)]
+MaxTokensOpt = Annotated[Optional[int], typer.Option(
+    help="Decode batches of at most this many hypothesis tokens (sentences x beam x longest source), as "
+         "fairseq's --max-tokens (default: config's decode.max_tokens).", rich_help_panel=ADVANCED)]
 AlphaOpt = Annotated[Optional[float], typer.Option(help="GNMT length penalty alpha.", rich_help_panel=ADVANCED)]
 AccelOpt = Annotated[str, typer.Option(
     help="auto | off: tformer's speed layer (faster CPU kernels; on GPUs, decoding as CUDA graphs with the model "

@@ -144,7 +144,8 @@ class DecodeConfig:
     max_len_b: int = 10  # see max_len_a
     min_len: int = 0  # no end of sentence before this many output tokens
     no_repeat_ngram: int = 0  # n > 0: no n-gram of output tokens occurs twice (fairseq's no_repeat_ngram_size)
-    batch_size: Optional[int] = None  # sentences per batch; null: 256 hypotheses (256 greedy, 64 with beam 4)
+    batch_size: Optional[int] = None  # sentences per batch; null: 256 hypotheses (64 sentences at beam 4), or max_tokens
+    max_tokens: Optional[int] = None  # at most this many hypothesis tokens a batch (sentences x beam x longest source)
     temperature: float = 1.0  # sampling (generate --sample)
     top_k: int = 0  # sampling: only the k most likely tokens; 0: all
     top_p: float = 1.0  # sampling: the smallest set of tokens with this mass
@@ -156,6 +157,7 @@ DECODE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "beam_size": (lambda v: v >= 1, ">= 1"),
     "length_penalty": (lambda v: v >= 0, ">= 0 (0: no length normalisation)"),  # beam search's early stop needs it
     "batch_size": (lambda v: v is None or v >= 1, ">= 1 or null"),
+    "max_tokens": (lambda v: v is None or v >= 1, ">= 1 or null"),
     "min_len": (lambda v: v >= 0, ">= 0"),
     "no_repeat_ngram": (lambda v: v >= 0, ">= 0 (0: off)"),
     "temperature": (lambda v: v >= 0, ">= 0"),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tformer_cli.decoding import DecodeOptions, Hypothesis, Translation
+from tformer_cli.decoding import DecodeOptions, Hypothesis, Translation, decoding_batches
 from tformer_cli.errors import UsageError
 from tformer_cli.runtime import LoadedRun
 
@@ -69,10 +69,11 @@ class CTranslate2Engine:
                                                      intra_threads=torch.get_num_threads() if device.type == "cpu"
                                                      else 0)
 
-    def translate(self, texts: list[str], options: DecodeOptions, batch_size: int,
-                  prefixes: list[str] | None = None) -> list[Translation]:
-        """Like ``decoding.translate``: length-sorted batches, results in input order, empty texts
-        answered without decoding, sources past the model's positions truncated and flagged."""
+    def translate(self, texts: list[str], options: DecodeOptions, batch_size: int | None = None,
+                  prefixes: list[str] | None = None, max_tokens: int | None = None) -> list[Translation]:
+        """Like ``decoding.translate``: length-sorted batches cut as its are (``decoding_batches``),
+        results in input order, empty texts answered without decoding, sources past the model's
+        positions truncated and flagged."""
         if options.seed is not None:
             self.ctranslate2.set_random_seed(options.seed)
         ids = self.vocab.encode_sources(texts)
@@ -81,8 +82,8 @@ class CTranslate2Engine:
         sources = [self.vocab.source_tokens(s[:-1][:self.max_len - 1]) for s in ids]  # CTranslate2 adds EOS
         forced = [self.vocab.target_tokens(p) for p in self.vocab.encode_prefixes(prefixes)] if prefixes else None
         order = sorted((i for i, text in enumerate(texts) if text.strip()), key=lambda i: len(sources[i]))
-        for start in range(0, len(order), batch_size):
-            chunk = order[start:start + batch_size]
+        for batch in decoding_batches([len(sources[i]) + 1 for i in order], options, batch_size, max_tokens):
+            chunk = order[batch.start:batch.stop]
             longest = max(len(sources[i]) + 1 for i in chunk)
             limit = min(int(options.max_len_a * longest + options.max_len_b), self.max_len - 1)
             prefix = [forced[i] for i in chunk] if forced is not None and any(forced[i] for i in chunk) else None

@@ -319,24 +319,49 @@ class Translation:
 HYPOTHESES_PER_BATCH = 256
 
 
-def sentences_per_batch(options: DecodeOptions, batch_size: int | None = None) -> int:
-    """Sentences per batch: ``batch_size`` where one is set (decode.batch_size, --batch-size), else
-    HYPOTHESES_PER_BATCH rows a step."""
-    if batch_size:
-        return batch_size
+def hypotheses_per_sentence(options: DecodeOptions) -> int:
+    """Rows a sentence takes in a decoding step: its beams, its samples, or its MBR candidates."""
     if options.mbr:
         options = options.candidates()
-    width = options.nbest if options.sample else options.beam_size
-    return max(1, HYPOTHESES_PER_BATCH // width)
+    return options.nbest if options.sample else options.beam_size
+
+
+def sentences_per_batch(options: DecodeOptions, batch_size: int | None = None, max_tokens: int | None = None) -> int:
+    """The most sentences one batch holds: ``batch_size`` where one is set (decode.batch_size,
+    --batch-size); else, with ``max_tokens``, as many as fit it at the shortest source (two tokens);
+    else HYPOTHESES_PER_BATCH rows a step."""
+    width = hypotheses_per_sentence(options)
+    if batch_size:
+        return batch_size
+    return max(1, (max_tokens // 2 if max_tokens else HYPOTHESES_PER_BATCH) // width)
+
+
+def decoding_batches(lengths: list[int], options: DecodeOptions, batch_size: int | None = None,
+                     max_tokens: int | None = None) -> list[range]:
+    """Cut sources sorted by length (``lengths`` ascending, in tokens) into consecutive batches of
+    positions: at most ``sentences_per_batch`` sentences, and with ``max_tokens`` (decode.max_tokens,
+    --max-tokens) at most that many hypothesis tokens, sentences x hypotheses per sentence x the
+    batch's longest source, as fairseq's --max-tokens (scaled by the beam: one budget bounds the
+    memory of greedy and beam search alike). A sentence longer than the budget is a batch alone."""
+    width, most = hypotheses_per_sentence(options), sentences_per_batch(options, batch_size, max_tokens)
+    batches, start = [], 0
+    while start < len(lengths):
+        end, limit = start + 1, min(start + most, len(lengths))
+        # ascending lengths: the source added last is the batch's longest
+        while end < limit and (not max_tokens or (end - start + 1) * width * lengths[end] <= max_tokens):
+            end += 1
+        batches.append(range(start, end))
+        start = end
+    return batches
 
 
 def translate(model: torch.nn.Module | Ensemble, vocab: Vocabulary, texts: list[str], options: DecodeOptions,
               batch_size: int | None = None, device: torch.device | str = "cpu",
-              prefixes: list[str] | None = None) -> list[Translation]:
-    """Translate texts in length-sorted batches of ``batch_size`` sentences (default: see
-    ``sentences_per_batch``); results come back in input order. Each output starts with the text's
-    entry in ``prefixes``, if given and not empty. With ``options.mbr``, the ``nbest`` candidates of
-    highest expected utility come back, best first (see ``mbr.py``).
+              prefixes: list[str] | None = None, max_tokens: int | None = None) -> list[Translation]:
+    """Translate texts in length-sorted batches of at most ``batch_size`` sentences and ``max_tokens``
+    hypothesis tokens (see ``decoding_batches``); results come back in input order. Each output starts
+    with the text's entry in ``prefixes``, if given and not empty. With ``options.mbr``, the ``nbest``
+    candidates of highest expected utility come back, best first (see ``mbr.py``).
 
     Empty texts give an empty output without running the model; sources longer than the model's
     positions are truncated (keeping the closing EOS) and flagged.
@@ -352,9 +377,8 @@ def translate(model: torch.nn.Module | Ensemble, vocab: Vocabulary, texts: list[
     prefixed = Prefix.of(vocab, prefixes) if prefixes else None
     search = options.candidates() if options.mbr else options
     metric = sentence_metric(options.mbr_metric) if options.mbr else None
-    batch_size = sentences_per_batch(options, batch_size)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
+    for batch in decoding_batches([len(ids[i]) for i in order], options, batch_size, max_tokens):
+        chunk = order[batch.start:batch.stop]
         src = pad_sequences([ids[i] for i in chunk]).to(device)
         prefix = prefixed[chunk] if prefixed is not None and any(prefixed.texts[i] for i in chunk) else None
         for i, hyps in zip(chunk, decode_batch(models, src, search, prefix)):

@@ -158,7 +158,8 @@ def validation_bleu(model: torch.nn.Module, vocab, split: EncodedSplit, decode_c
     model.eval()
     pairs = split.pairs[:max_sentences]
     options = _validation_search(decode_cfg)
-    results = translate(model, vocab, [source for source, _ in pairs], options, decode_cfg.batch_size, device)
+    results = translate(model, vocab, [source for source, _ in pairs], options, decode_cfg.batch_size, device,
+                        max_tokens=decode_cfg.max_tokens)
     model.train(was_training)
     scores = corpus_scores([r.outputs[0][0] for r in results], [target for _, target in pairs])
     return {key: scores[key] for key in ("bleu", "chrf", "exact_match")}
@@ -168,7 +169,8 @@ def validation_rows(decode_cfg, sentences: int) -> int:
     """The most hypotheses a step of ``validation_bleu`` decodes together, over ``sentences`` sentences."""
     from tformer_cli.decoding import sentences_per_batch
 
-    return min(sentences, sentences_per_batch(_validation_search(decode_cfg), decode_cfg.batch_size))
+    return min(sentences, sentences_per_batch(_validation_search(decode_cfg), decode_cfg.batch_size,
+                                              decode_cfg.max_tokens))
 
 
 def _validation_search(decode_cfg):
@@ -179,9 +181,11 @@ def _validation_search(decode_cfg):
 
 def evaluate_run(model: torch.nn.Module | Ensemble, vocab: Vocabulary, data_cfg: DataConfig, split: str,
                  options: DecodeOptions, batch_size: int | None, max_tokens: int,
-                 device: torch.device | str = "cpu", batch_multiple: int = 1) -> dict:
-    """Teacher-forced loss and perplexity, then decoding: BLEU (cased and lowercased), chrF, exact match
-    and speed, on one split. Returns the figures and the hypotheses in input order."""
+                 device: torch.device | str = "cpu", batch_multiple: int = 1, decode_tokens: int | None = None) -> dict:
+    """Teacher-forced loss and perplexity (batches of ``max_tokens`` padded tokens), then decoding
+    (batches of ``batch_size`` sentences and ``decode_tokens`` hypothesis tokens): BLEU (cased and
+    lowercased), chrF, exact match and speed, on one split. Returns the figures and the hypotheses in
+    input order."""
     import time
 
     from tformer_cli.data import load_pairs
@@ -196,7 +200,8 @@ def evaluate_run(model: torch.nn.Module | Ensemble, vocab: Vocabulary, data_cfg:
     encoded = encode_split(pairs, vocab, replace(data_cfg, long_pairs="truncate"))
     loss = evaluate_loss(model, encoded, max_tokens, device, batch_multiple)
     start = time.perf_counter()
-    results = translate(model, vocab, [source for source, _ in pairs], options, batch_size, device)
+    results = translate(model, vocab, [source for source, _ in pairs], options, batch_size, device,
+                        max_tokens=decode_tokens)
     seconds = time.perf_counter() - start
     hypotheses = [r.outputs[0][0] for r in results]
     generated = sum(len(r.outputs[0][1].tokens) + 1 for r in results)  # EOS included
