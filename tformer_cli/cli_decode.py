@@ -196,27 +196,21 @@ def generate(
       tformer generate runs/demo "twenty-one" --engine ctranslate2 --precision int8
     """
     from tformer_cli.accel import check_mode
-    from tformer_cli.ctranslate2_engine import CTranslate2Engine, check_engine
-    from tformer_cli.decoding import DecodeOptions, sentences_per_batch, translate
+    from tformer_cli.ctranslate2_engine import check_engine
+    from tformer_cli.decoding import DecodeOptions, sentences_per_batch
     from tformer_cli.devices import resolve_device
     from tformer_cli.render import generation_lines, warn
-    from tformer_cli.runtime import load_ensemble
 
     check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_tokens=max_tokens,
-                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, epsilon=epsilon,
-                         length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram,
-                         align_layer=align_layer)
+                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         epsilon=epsilon, length_penalty=length_penalty, min_len=min_len,
+                         no_repeat_ngram=no_repeat_ngram, align_layer=align_layer)
     check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
     check_mode(accel)
     check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
     _check_generate_flags(texts or [], prefix, sample, beam_size, mbr, mbr_candidates, json_input)
-    dev = resolve_device(device or "auto")
-    if engine == "tformer":
-        loaded, models, amp = load_for_decoding(ensemble_runs(run, ensemble), dev, accel, precision)
-        ct2 = None
-    else:  # CTranslate2 converts the plain fp32 model
-        loaded, models = load_ensemble([run], "cpu", "off")
-        ct2, amp = CTranslate2Engine(loaded, dev, precision), None
+    loaded, models, translate = _translator(engine, ensemble_runs(run, ensemble), resolve_device(device or "auto"),
+                                            accel, precision)
     check_prefix(loaded.vocab, "--prefix", prefix)
     layers = min(len(model.decoder.layers) for model in models.models)
     if align_layer is not None and align_layer > layers:
@@ -228,28 +222,49 @@ def generate(
         min_len=min_len, no_repeat_ngram=no_repeat_ngram, align_layer=(align_layer or layers) - 1 if align else None,
         mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
     batch_size, max_tokens = batch_size or loaded.config.decode.batch_size, max_tokens or loaded.config.decode.max_tokens
-    size = sentences_per_batch(options, batch_size, max_tokens)
-    if texts:
-        inputs, chunk_size, waiting = ((text, prefix) for text in texts), len(texts), None
-    else:  # a batch holds the lines there are, up to its size: a line typed or sent alone is answered at once
-        lines = InputLines(sys.stdin.buffer)
-        inputs = json_lines(lines, prefix, loaded.vocab) if json_input else ((text, prefix) for text in lines)
-        chunk_size, waiting = size, lines.waiting
     number = 0
-    for chunk in _chunks(inputs, chunk_size, waiting):
+    for chunk in _input_batches(texts, prefix, json_input, loaded.vocab,
+                                sentences_per_batch(options, batch_size, max_tokens)):
         prefixes = [p or "" for _, p in chunk]
-        sources, prefixes = [text for text, _ in chunk], prefixes if any(prefixes) else None
-        if ct2 is not None:
-            results = ct2.translate(sources, options, batch_size, prefixes, max_tokens)
-        else:
-            with amp:
-                results = translate(models, loaded.vocab, sources, options, batch_size, dev, prefixes, max_tokens)
-        for result in results:
+        for result in translate([text for text, _ in chunk], options, batch_size, prefixes if any(prefixes) else None,
+                                max_tokens):
             if result.truncated:
                 warn(f"input longer than the model's {loaded.config.model.max_len} positions was truncated: "
                      f"{result.source[:40]}…")
             generation_lines(result, json_output, number, loaded.vocab if align else None)
             number += 1
+
+
+def _translator(engine: str, runs: list[Path], device, accel: str, precision: str):
+    """(first run, the runs' models, translate(texts, options, batch_size, prefixes, max_tokens)) for
+    ``--engine``: tformer's own decoding, or CTranslate2's over the first run converted."""
+    from tformer_cli.decoding import translate
+
+    if engine == "tformer":
+        loaded, models, amp = load_for_decoding(runs, device, accel, precision)
+
+        def translate_in_context(texts, options, batch_size, prefixes, max_tokens):
+            with amp:
+                return translate(models, loaded.vocab, texts, options, batch_size, device, prefixes, max_tokens)
+
+        return loaded, models, translate_in_context
+    from tformer_cli.ctranslate2_engine import CTranslate2Engine
+    from tformer_cli.runtime import load_ensemble
+
+    loaded, models = load_ensemble(runs[:1], "cpu", "off")  # CTranslate2 converts the plain fp32 model
+    return loaded, models, CTranslate2Engine(loaded, device, precision).translate
+
+
+def _input_batches(texts: list[str] | None, prefix: str | None, json_input: bool, vocab: Vocabulary,
+                   size: int) -> Iterator[list[tuple[str, str | None]]]:
+    """generate's (text, prefix) inputs in batches: the texts given, all at once; else standard input's
+    lines (JSON lines with ``json_input``), a batch the lines that have arrived, up to ``size``, so that a
+    line typed or sent alone is answered at once."""
+    if texts:
+        return _chunks([(text, prefix) for text in texts], len(texts))
+    lines = InputLines(sys.stdin.buffer)
+    inputs = json_lines(lines, prefix, vocab) if json_input else ((text, prefix) for text in lines)
+    return _chunks(inputs, size, lines.waiting)
 
 
 def _check_generate_flags(texts: list[str], prefix: str | None, sample: bool, beam_size: int | None, mbr: int,
