@@ -154,8 +154,7 @@ def _version(weight: Tensor) -> int | None:
 
 
 class FastFeedForward(nn.Module):
-    """The model's PositionwiseFeedForward with its activation applied by the first product's call;
-    training on oneDNN pads the rows once for both products (``gemm.padded_rows``)."""
+    """The model's PositionwiseFeedForward with its activation applied by the first product's call."""
 
     def __init__(self, ffn: nn.Module) -> None:
         super().__init__()
@@ -164,10 +163,4 @@ class FastFeedForward(nn.Module):
         self.linear2 = FastLinear.of(ffn.linear2)
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // x.shape[-1]
-        padded = gemm.padded_rows(rows)
-        if padded == rows or not torch.is_grad_enabled() or not gemm.on_onednn(x, self.linear1.weight):
-            return self.linear2(self.linear1(x))  # (B, T, d_ff) -> (B, T, d_model)
-        # training on oneDNN: the rows padded once for both products, not each product's input apart
-        flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))  # (padded, d_model)
-        return self.linear2(self.linear1(flat))[:rows].view(x.shape)
+        return self.linear2(self.linear1(x))  # (B, T, d_ff) -> (B, T, d_model)
