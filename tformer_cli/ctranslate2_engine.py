@@ -71,7 +71,7 @@ class CTranslate2Engine:
 
     def translate(self, texts: list[str], options: DecodeOptions, batch_size: int | None = None,
                   prefixes: list[str] | None = None, max_tokens: int | None = None) -> list[Translation]:
-        """Like ``decoding.translate``: length-sorted batches cut as its are (``decoding_batches``),
+        """Like ``decoding.translate``: length-sorted batches cut as it cuts them (``decoding_batches``),
         results in input order, empty texts answered without decoding, sources past the model's
         positions truncated and flagged."""
         if options.seed is not None:
