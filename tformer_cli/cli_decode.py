@@ -130,8 +130,9 @@ def eval_command(
                                         seed=seed)
     with amp:
         result = evaluate_run(models, loaded.vocab, data, split, options,
-                              batch_size or loaded.config.decode.batch_size, loaded.config.train.max_tokens, dev,
-                              loaded.config.train.batch_multiple, max_tokens or loaded.config.decode.max_tokens)
+                              batch_size or loaded.config.decode.batch_size, loss_tokens=loaded.config.train.max_tokens,
+                              device=dev, batch_multiple=loaded.config.train.batch_multiple,
+                              decode_tokens=max_tokens or loaded.config.decode.max_tokens)
     hypotheses = result.pop("hypotheses")
     if result["empty_references"]:
         warn(f"{result['empty_references']} of {result['sentences']} references are empty: their translations are "

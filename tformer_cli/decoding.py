@@ -330,10 +330,9 @@ def sentences_per_batch(options: DecodeOptions, batch_size: int | None = None, m
     """The most sentences one batch holds: ``batch_size`` where one is set (decode.batch_size,
     --batch-size); else, with ``max_tokens``, as many as fit it at the shortest source (two tokens);
     else HYPOTHESES_PER_BATCH rows a step."""
-    width = hypotheses_per_sentence(options)
     if batch_size:
         return batch_size
-    return max(1, (max_tokens // 2 if max_tokens else HYPOTHESES_PER_BATCH) // width)
+    return max(1, (max_tokens // 2 if max_tokens else HYPOTHESES_PER_BATCH) // hypotheses_per_sentence(options))
 
 
 def decoding_batches(lengths: list[int], options: DecodeOptions, batch_size: int | None = None,

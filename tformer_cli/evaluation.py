@@ -180,12 +180,12 @@ def _validation_search(decode_cfg):
 
 
 def evaluate_run(model: torch.nn.Module | Ensemble, vocab: Vocabulary, data_cfg: DataConfig, split: str,
-                 options: DecodeOptions, batch_size: int | None, max_tokens: int,
+                 options: DecodeOptions, batch_size: int | None, loss_tokens: int,
                  device: torch.device | str = "cpu", batch_multiple: int = 1, decode_tokens: int | None = None) -> dict:
-    """Teacher-forced loss and perplexity (batches of ``max_tokens`` padded tokens), then decoding
-    (batches of ``batch_size`` sentences and ``decode_tokens`` hypothesis tokens): BLEU (cased and
-    lowercased), chrF, exact match and speed, on one split. Returns the figures and the hypotheses in
-    input order."""
+    """Teacher-forced loss and perplexity (batches of ``loss_tokens`` padded tokens, as training's),
+    then decoding (batches of ``batch_size`` sentences and ``decode_tokens`` hypothesis tokens): BLEU
+    (cased and lowercased), chrF, exact match and speed, on one split. Returns the figures and the
+    hypotheses in input order."""
     import time
 
     from tformer_cli.data import load_pairs
@@ -198,7 +198,7 @@ def evaluate_run(model: torch.nn.Module | Ensemble, vocab: Vocabulary, data_cfg:
         raise DataError(f"every reference ({data_cfg.target}) of split '{split}' is empty: eval scores "
                         "translations against references; to translate without them, use tformer generate")
     encoded = encode_split(pairs, vocab, replace(data_cfg, long_pairs="truncate"))
-    loss = evaluate_loss(model, encoded, max_tokens, device, batch_multiple)
+    loss = evaluate_loss(model, encoded, loss_tokens, device, batch_multiple)
     start = time.perf_counter()
     results = translate(model, vocab, [source for source, _ in pairs], options, batch_size, device,
                         max_tokens=decode_tokens)
