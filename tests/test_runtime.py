@@ -8,7 +8,7 @@ from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.model import build_model
 from tformer_cli.runtime import (
     average_checkpoints, load_run, load_run_config, load_weights,
-    save_checkpoint, save_weights, step_checkpoints)
+    save_checkpoint, save_weights, skipping_random_init, step_checkpoints)
 
 
 def test_averaging_two_checkpoints_gives_the_element_wise_mean(tmp_path):
@@ -85,6 +85,25 @@ def test_a_run_saved_before_attention_bias_existed_loads_with_biases(trained_run
     assert model.decoder.layers[0].cross_attn.kv_proj.bias is not None
     for (name, ours), theirs in zip(model.state_dict().items(), biased.state_dict().values()):
         torch.testing.assert_close(ours, theirs, msg=name)
+
+
+def test_loading_a_run_draws_no_weights_only_to_overwrite_them(trained_run):
+    from safetensors.torch import load_file
+
+    before = torch.get_rng_state()
+    model = load_run(trained_run, accel="off").model
+    assert torch.equal(torch.get_rng_state(), before)  # nothing drawn
+    state = model.state_dict()
+    for name, stored in load_file(trained_run / "model.safetensors").items():
+        assert torch.equal(state[name], stored), name
+    assert model.output_proj.weight is model.decoder.embed.embedding.weight  # ties kept
+    # what is computed rather than drawn (the positional tables) is built as usual
+    config = tiny_model_config(positional="rope")
+    with skipping_random_init():
+        skipped = build_model(config, 30)
+    plain = build_model(config, 30)
+    for (name, ours), theirs in zip(skipped.named_buffers(), plain.buffers()):
+        assert torch.equal(ours, theirs), name
 
 
 class _Payload:
