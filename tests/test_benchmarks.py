@@ -140,3 +140,27 @@ def test_the_step_profile_sorts_a_steps_time_into_kinds_on_a_cpu():
     assert sections[0].startswith("== greedy") and sections[1].startswith("== beam 4")
     assert all("busy" in s for s in sections)
     assert "matmul" in result.stdout and "costliest:" in result.stdout
+
+
+def test_the_memory_prediction_counts_each_storage_while_it_lives():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sys.path.insert(0, str(RUN.parent))
+    from predict_memory import LiveBytes
+
+    with FakeTensorMode(), LiveBytes() as live:
+        a = torch.empty(2**18)  # 1 MiB
+        b = a * 2  # 2 MiB live
+        view = b[::2]  # no new storage
+        b.add_(1)  # nor here
+        del a  # 1 MiB
+        c = b + view.sum()  # a 4-byte scalar and another MiB
+        del b, view, c
+    assert (live.peak, live.now) == (2 * 2**20 + 4, 0)
+    script = RUN.parent / "predict_memory.py"
+    result = subprocess.run([sys.executable, str(script), "--sizes", "host", "--sentences", "4", "--systems",
+                             "tformer,torch"], capture_output=True, text=True, check=True)
+    lines = result.stdout.splitlines()
+    assert [line.split()[:2] for line in lines[:2]] == [["host", "tformer"], ["host", "torch"]]
+    assert "tformer / the lowest peer (torch):" in lines[2]
