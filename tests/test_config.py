@@ -67,6 +67,9 @@ def test_a_set_item_names_its_own_mistakes_and_reaches_into_mappings(tmp_path):
         "--set data.data_files.test: expected a file name or a list of them, got []"}
     cfg = load_config("configs/small.yaml", ["data.data_files.train=a.jsonl", "data.data_files.test=[b, c]"])
     assert cfg.data.data_files == {"train": "a.jsonl", "test": ["b", "c"]}
+    with pytest.raises(ConfigError) as info:  # as in a file, a key given twice is a mistake, not an override
+        load_config("configs/small.yaml", ["data.data_files={train: a.jsonl, train: b.jsonl}"])
+    assert str(info.value) == "--set data.data_files: 'train' is given twice; keep one"
 
 
 def test_all_mistakes_are_reported_together(tmp_path):

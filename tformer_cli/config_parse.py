@@ -92,7 +92,10 @@ def apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> str | N
                       f"(or section.key.entry=value for a mapping such as data.data_files.train)")
         return None
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = yaml.load(text, Loader=_UniqueKeyLoader) if text.strip() else None
+    except yaml.constructor.ConstructorError as exc:  # a key given twice in a mapping value
+        errors.append(f"--set {key.strip()}: {exc.problem}")
+        return None
     except yaml.YAMLError:
         value = text
     section = raw.setdefault(parts[0], {})
