@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
+from tformer_cli import hub
 from tformer_cli.config import DataConfig
 from tformer_cli.errors import DataError, first_line
 
@@ -319,15 +317,15 @@ def _load_named(name: str, subset: str | None):
     if not local and name.startswith(("/", "./", "../", "~")):  # a path, not a hub id (owner/name)
         raise DataError(f"data.dataset: no such folder '{name}'; check the path (relative paths start "
                         "from the current directory), or evaluate other files with eval --data-files")
-    unreachable = None if local else _hub_unreachable()
+    unreachable = None if local else hub.unreachable()
     failed: list[str] = []
     try:
-        with _hub_offline() if unreachable else nullcontext(), _datasets_errors(failed):
+        with hub.offline() if unreachable else nullcontext(), _datasets_errors(failed):
             # a folder's tables cached apart per version of its files (see _version_name)
             cache = Path(datasets.config.HF_DATASETS_CACHE, "tformer", _version_name([name])) if local else None
             dataset = datasets.load_dataset(name, subset, cache_dir=str(cache) if cache else None)
     except Exception as exc:
-        wrong_subset = None if unreachable else _wrong_subset(name, subset)
+        wrong_subset = None if unreachable else hub.wrong_subset(name, subset)
         if wrong_subset:
             raise DataError(f"data.subset: {wrong_subset}") from exc
         if local and failed:  # a file datasets could not parse: the file and the parser's own words
@@ -344,58 +342,6 @@ def _load_named(name: str, subset: str | None):
             "train --set data.dataset=path/to/folder (or data.data_files), eval --data-files FILE"
         ) from exc
     return dataset
-
-
-def _wrong_subset(name: str, subset: str | None) -> str | None:
-    """What is wrong with ``subset`` for the dataset ``name``, or None where it is not the problem."""
-    import datasets
-
-    try:
-        subsets = datasets.get_dataset_config_names(name)
-    except Exception:
-        return None
-    if subset is None and len(subsets) > 1:
-        return f"'{name}' has several subsets ({', '.join(subsets)}); pick one, e.g. --set data.subset={subsets[0]}"
-    if subset is not None and subset not in subsets:
-        return f"'{name}' has no subset '{subset}' (has: {', '.join(subsets)})"
-    return None
-
-
-def _hub_unreachable() -> str | None:
-    """Why the hub cannot be reached, found by opening one connection to it (3 s at most), or None.
-    Offline, huggingface_hub would otherwise retry five times (~25 s) before failing. Not checked in
-    offline mode (HF_HUB_OFFLINE) or behind a proxy, which connects for us."""
-    import datasets
-
-    proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
-    if datasets.config.HF_HUB_OFFLINE or any(os.environ.get(name) for name in proxies):
-        return None
-    endpoint = urlparse(datasets.config.HF_ENDPOINT)
-    host = endpoint.hostname or datasets.config.HF_ENDPOINT
-    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)  # HF_ENDPOINT may name a mirror
-    try:
-        socket.create_connection((host, port), timeout=3).close()
-    except socket.gaierror:
-        return f"no address for {host}"
-    except OSError as exc:
-        return f"cannot connect to {host}:{port}, {type(exc).__name__}"
-    return None
-
-
-@contextmanager
-def _hub_offline():
-    """`datasets` and huggingface_hub in offline mode inside the block: a hub dataset loads from the
-    local cache, or fails at once. Their HF_HUB_OFFLINE is read from the environment at import time, so
-    the module flags are set here, and restored."""
-    import datasets
-    from huggingface_hub import constants
-
-    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
 def _columns(dataset, cfg: DataConfig, where: str) -> ArrowPairs:
