@@ -167,3 +167,28 @@ def test_a_step_that_cannot_be_recorded_warns_once_and_decodes_on_the_plain_path
         assert [h.tokens for h in greedy_or_sample(model, src, options)] == expected
     assert not graphs._enabled  # the piece is off from then on: no second warning
     assert [h.tokens for h in greedy_or_sample(model, src, options)] == expected
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+def test_a_recorded_step_reads_nothing_back_from_the_device(beams):
+    """A CUDA graph cannot record an op that waits for the device's values (``.item()``, ``nonzero``, a
+    boolean mask): recording would fail and decoding fall back to a step at a time. Checked on the CPU
+    with the ops that a step runs, min_len and an ensemble included."""
+    from conftest import HostReads
+
+    model = _model(1)
+    models = as_ensemble(Ensemble([model, model]))
+    src = _sources()
+    limits = max_new_tokens(src, models.pad_id, DecodeOptions(max_len_a=1.0, max_len_b=4), models.max_len)
+    state = graphs.GreedyState(limits) if beams == 1 else graphs.BeamState(limits, beams, 0.6)
+    rows, L = limits.shape[0] * beams, int(limits.max())
+    with torch.inference_mode():
+        decoders = graphs.Decoders(models, models.encode(src), rows, L)
+        state.step(decoders, 2)  # the first, eager step makes the caches
+        with HostReads() as reads:
+            state.step(decoders, 2)
+            state.step(decoders, 2)
+    assert reads.seen == []
+    with HostReads() as reads:  # the recorder sees such a read
+        bool(state.over())
+    assert reads.seen == ["_local_scalar_dense"]
