@@ -94,57 +94,74 @@ def eval_command(
       tformer eval runs/a --ensemble runs/b,runs/c --beam 5
       tformer eval runs/demo --mbr 32 --seed 1
     """
-    from dataclasses import replace
-
     from tformer_cli.accel import check_mode
-    from tformer_cli.data import not_a_data_file
     from tformer_cli.decoding import DecodeOptions
     from tformer_cli.devices import resolve_device
     from tformer_cli.evaluation import evaluate_run
-    from tformer_cli.files import write_text_atomic
-    from tformer_cli.render import eval_table, print_json, warn
 
     check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_tokens=max_tokens, max_samples=max_samples,
                          length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram,
                          epsilon=epsilon)
     check_mbr(mbr, mbr_metric, mbr_candidates)
     check_mode(accel)
-    for path in data_files or []:
-        problem = not_a_data_file(path)
-        if problem:
-            raise UsageError(f"--data-files {path}: {problem}")
+    _check_data_files(data_files)
     dev = resolve_device(device or "auto")
     runs = ensemble_runs(run, ensemble)
     loaded, models, amp = load_for_decoding(runs, dev, accel, precision)
-    data = loaded.config.data
-    split = split or data.test_split or "test"
-    if data_files:
-        data = replace(data, data_files={split: [str(f) for f in data_files]}, format="auto")
-    data = replace(data, source=source_field or data.source, target=target_field or data.target,
-                   max_samples=max_samples)
+    split = split or loaded.config.data.test_split or "test"
+    data = _eval_data(loaded.config.data, split, data_files, source_field, target_field, max_samples)
     if output:  # a wrong or unwritable path fails now, not after the evaluation (nor before the run loads)
         check_hypotheses_file(output, data)
     options = DecodeOptions.from_config(loaded.config.decode, beam_size=beam_size, length_penalty=length_penalty,
                                         min_len=min_len, no_repeat_ngram=no_repeat_ngram, mbr=mbr,
                                         mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, epsilon=epsilon,
                                         seed=seed)
+    config = loaded.config
     with amp:
-        result = evaluate_run(models, loaded.vocab, data, split, options,
-                              batch_size or loaded.config.decode.batch_size, loss_tokens=loaded.config.train.max_tokens,
-                              device=dev, batch_multiple=loaded.config.train.batch_multiple,
-                              decode_tokens=max_tokens or loaded.config.decode.max_tokens)
-    hypotheses = result.pop("hypotheses")
-    if result["empty_references"]:
-        warn(f"{result['empty_references']} of {result['sentences']} references are empty: their translations are "
-             "scored against nothing and left out of the loss")
-    if output:
-        write_text_atomic(output, "".join(h + "\n" for h in hypotheses))
+        result = evaluate_run(models, loaded.vocab, data, split, options, batch_size or config.decode.batch_size,
+                              loss_tokens=config.train.max_tokens, device=dev,
+                              batch_multiple=config.train.batch_multiple,
+                              decode_tokens=max_tokens or config.decode.max_tokens)
     result.update(run=str(loaded.run_dir), weights=str(loaded.weights), beam_size=options.beam_size,
                   precision=precision)
     if len(runs) > 1:
         result["ensemble"] = [str(r) for r in runs]
     if mbr:
         result.update(mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates)
+    _report_eval(result, output, json_output)
+
+
+def _check_data_files(data_files: list[Path] | None) -> None:
+    from tformer_cli.data import not_a_data_file
+
+    for path in data_files or []:
+        problem = not_a_data_file(path)
+        if problem:
+            raise UsageError(f"--data-files {path}: {problem}")
+
+
+def _eval_data(data: DataConfig, split: str, data_files: list[Path] | None, source_field: str | None,
+               target_field: str | None, max_samples: int | None) -> DataConfig:
+    """The run's data settings for ``split``, or ``data_files`` as that split, with eval's overrides."""
+    from dataclasses import replace
+
+    if data_files:
+        data = replace(data, data_files={split: [str(f) for f in data_files]}, format="auto")
+    return replace(data, source=source_field or data.source, target=target_field or data.target,
+                   max_samples=max_samples)
+
+
+def _report_eval(result: dict, output: Path | None, json_output: bool) -> None:
+    """Warn about empty references, write the hypotheses to ``output``, show the scores."""
+    from tformer_cli.files import write_text_atomic
+    from tformer_cli.render import eval_table, print_json, warn
+
+    hypotheses = result.pop("hypotheses")
+    if result["empty_references"]:
+        warn(f"{result['empty_references']} of {result['sentences']} references are empty: their translations are "
+             "scored against nothing and left out of the loss")
+    if output:
+        write_text_atomic(output, "".join(h + "\n" for h in hypotheses))
     print_json(result) if json_output else eval_table(result)
 
 
