@@ -4,6 +4,7 @@ set up for a new or a resumed run (``Setup``). ``train.py`` runs the loop over t
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ from tformer_cli.optim import make_optimizer
 from tformer_cli.parallel import Workers, distribute, gathered, load_optimizer_state, shard_like
 from tformer_cli.run_folder import METRICS, WEIGHTS
 from tformer_cli.runtime import (
-    load_trainer_state, load_weights, save_run_files, seed_everything, set_rng_state, step_checkpoints)
+    load_trainer_state, load_weights, save_run_files, seed_everything, set_rng_state, skipping_random_init,
+    step_checkpoints)
 from tformer_cli.tensorboard import TensorBoard
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
@@ -62,8 +64,8 @@ class Setup:
             workers.barrier()
         cfg = config.train
         seed_everything(cfg.seed)  # the same initial weights in every process
-        self.model = self._build_model()
         checkpoint = self._last_checkpoint() if resume else None
+        self.model = self._build_model(draw=checkpoint is None)  # resumed: the weights come from the checkpoint
         if checkpoint is not None:
             load_weights(self.model, checkpoint / WEIGHTS)
         # the objective in one module, for DDP or FSDP to wrap when several processes train
@@ -103,9 +105,13 @@ class Setup:
             shadow = [shard_like(t, s) for t, s in zip(saved["ema"]["shadow"], self.ema.shadow)]
             self.ema.load_state_dict({**saved["ema"], "shadow": shadow})
 
-    def _build_model(self) -> torch.nn.Module:
+    def _build_model(self, draw: bool = True) -> torch.nn.Module:
+        """The model on the training device, with the speed layer; its weights drawn, or with ``draw``
+        False left as allocated, for weights loaded next."""
         try:
-            model = build_model(self.config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID).to(self.device)
+            with nullcontext() if draw else skipping_random_init():
+                model = build_model(self.config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID)
+            model = model.to(self.device)
         except RuntimeError as exc:  # the model alone: lowering train.max_tokens, the usual advice, cannot help
             if not out_of_memory(exc):
                 raise
