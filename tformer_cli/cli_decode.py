@@ -108,15 +108,15 @@ def eval_command(
     dev = resolve_device(device or "auto")
     runs = ensemble_runs(run, ensemble)
     loaded, models, amp = load_for_decoding(runs, dev, accel, precision)
-    split = split or loaded.config.data.test_split or "test"
-    data = _eval_data(loaded.config.data, split, data_files, source_field, target_field, max_samples)
+    config = loaded.config
+    split = split or config.data.test_split or "test"
+    data = _eval_data(config.data, split, data_files, source_field, target_field, max_samples)
     if output:  # a wrong or unwritable path fails now, not after the evaluation (nor before the run loads)
         check_hypotheses_file(output, data)
-    options = DecodeOptions.from_config(loaded.config.decode, beam_size=beam_size, length_penalty=length_penalty,
+    options = DecodeOptions.from_config(config.decode, beam_size=beam_size, length_penalty=length_penalty,
                                         min_len=min_len, no_repeat_ngram=no_repeat_ngram, mbr=mbr,
                                         mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, epsilon=epsilon,
                                         seed=seed)
-    config = loaded.config
     with amp:
         result = evaluate_run(models, loaded.vocab, data, split, options, batch_size or config.decode.batch_size,
                               loss_tokens=config.train.max_tokens, device=dev,
