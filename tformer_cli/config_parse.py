@@ -19,6 +19,10 @@ import yaml
 from tformer_cli.errors import ConfigError, first_line
 
 
+class _KeyGivenTwice(yaml.constructor.ConstructorError):
+    pass
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last, and the
     first value (a whole section, say) would be lost without a word."""
@@ -32,8 +36,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if not isinstance(key, typing.Hashable):
                 continue  # refused by PyYAML's own construct_mapping
             if key in keys:
-                raise yaml.constructor.ConstructorError(None, None, f"{_quoted(key)} is given twice; keep one",
-                                                        key_node.start_mark)
+                raise _KeyGivenTwice(None, None, f"{_quoted(key)} is given twice; keep one", key_node.start_mark)
             keys.add(key)
         return super().construct_mapping(node, deep)
 
@@ -93,8 +96,8 @@ def apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> str | N
         return None
     try:
         value = yaml.load(text, Loader=_UniqueKeyLoader) if text.strip() else None
-    except yaml.constructor.ConstructorError as exc:  # a key given twice in a mapping value
-        errors.append(f"--set {key.strip()}: {exc.problem}")
+    except _KeyGivenTwice as exc:  # in a mapping value: a mistake, as in a file
+        errors.append(f"--set {_shown(key.strip())}: {exc.problem}")
         return None
     except yaml.YAMLError:
         value = text
