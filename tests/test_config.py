@@ -70,6 +70,7 @@ def test_a_set_item_names_its_own_mistakes_and_reaches_into_mappings(tmp_path):
     with pytest.raises(ConfigError) as info:  # as in a file, a key given twice is a mistake, not an override
         load_config("configs/small.yaml", ["data.data_files={train: a.jsonl, train: b.jsonl}"])
     assert str(info.value) == "--set data.data_files: 'train' is given twice; keep one"
+    assert load_config("configs/small.yaml", ["data.source=="]).data.source == "="  # what YAML cannot construct is text
 
 
 def test_all_mistakes_are_reported_together(tmp_path):
