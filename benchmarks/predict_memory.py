@@ -88,6 +88,10 @@ def main() -> None:
     parser.add_argument("--sentences", type=int,
                         help="instead, the suite's fixed step at the default scale: this many sentences of 24 tokens, 3 steps")
     args = parser.parse_args()
+    for option, given, known in (("--sizes", args.sizes, systems.SIZES), ("--systems", args.systems, TRAINING)):
+        unknown = sorted(set(given.split(",")) - set(known))
+        if unknown:
+            parser.error(f"{option}: unknown {', '.join(unknown)} (choose from {', '.join(known)})")
     warnings.filterwarnings("ignore")  # fake tensors warn where the loss checks data pointers
     systems.ACCEL = "off"
     loss.CHUNK_TOKENS = loss.GPU_CHUNK_TOKENS  # tformer's loss forms logits as many rows at a time as on a GPU
