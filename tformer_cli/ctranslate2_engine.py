@@ -82,9 +82,9 @@ class CTranslate2Engine:
         sources = [self.vocab.source_tokens(s[:-1][:self.max_len - 1]) for s in ids]  # CTranslate2 adds EOS
         forced = [self.vocab.target_tokens(p) for p in self.vocab.encode_prefixes(prefixes)] if prefixes else None
         order = sorted((i for i, text in enumerate(texts) if text.strip()), key=lambda i: len(sources[i]))
-        for batch in decoding_batches([len(sources[i]) + 1 for i in order], options, batch_size, max_tokens):
-            chunk = order[batch.start:batch.stop]
-            longest = max(len(sources[i]) + 1 for i in chunk)
+        lengths = [len(sources[i]) + 1 for i in order]  # ascending, EOS included
+        for batch in decoding_batches(lengths, options, batch_size, max_tokens):
+            chunk, longest = order[batch.start:batch.stop], lengths[batch.stop - 1]
             limit = min(int(options.max_len_a * longest + options.max_len_b), self.max_len - 1)
             prefix = [forced[i] for i in chunk] if forced is not None and any(forced[i] for i in chunk) else None
             if prefix is not None:
