@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import systems  # noqa: E402
 from tformer_cli import loss  # noqa: E402
 
-TRAINING = {"tformer": systems.Tformer, "torch": systems.TorchBuiltin, "marian": systems.Marian,
-            "xtransformers": systems.XTransformers}
+# tformer and the suite's training peers (its memory workload's systems), by their --peers keys
+TRAINING = {"tformer": systems.Tformer, **{key: systems.PEERS[key] for key in systems.DEFAULT_PEERS
+                                           if systems.PEERS[key].supports_train}}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -83,10 +84,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="base,big")
     parser.add_argument("--systems", default=",".join(TRAINING), help=f"of {','.join(TRAINING)}")
-    parser.add_argument("--tokens", type=int, default=25_000, help="target tokens a step (the suite's --paper-tokens)")
-    parser.add_argument("--steps", type=int, default=6, help="the suite's --paper-steps")
-    parser.add_argument("--sentences", type=int,
-                        help="instead, the suite's fixed step at the default scale: this many sentences of 24 tokens, 3 steps")
+    parser.add_argument("--tokens", type=systems.at_least(64), default=25_000,
+                        help="target tokens a step (the suite's --paper-tokens)")
+    parser.add_argument("--steps", type=systems.at_least(1), default=6, help="the suite's --paper-steps")
+    parser.add_argument("--sentences", type=systems.at_least(1),
+                        help="instead, the suite's fixed step at the default scale: this many sentences of 24 "
+                             "tokens, 3 steps")
     args = parser.parse_args()
     for option, given, known in (("--sizes", args.sizes, systems.SIZES), ("--systems", args.systems, TRAINING)):
         unknown = sorted(set(given.split(",")) - set(known))

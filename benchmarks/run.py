@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from systems import (DEFAULT_PEERS, LIBRARIES, PAD, PEERS, SIZES, Tformer, available_peers,  # noqa: E402
+from systems import (DEFAULT_PEERS, LIBRARIES, PAD, PEERS, SIZES, Tformer, at_least, available_peers,  # noqa: E402
                      make_batch, paper_batches, paper_sources)
 
 import systems  # noqa: E402
@@ -308,15 +308,6 @@ def print_table(records: list[dict], device: str, peak: float) -> None:
     console.print(table)
 
 
-def _at_least(minimum: int):
-    """argparse type: a whole number of at least ``minimum``."""
-    def parse(text: str) -> int:
-        if not text.isdigit() or int(text) < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {minimum}")
-        return int(text)
-    return parse
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", help=f"of {','.join(WORKLOADS)} (default: all; train,memory,greedy,beam with --scale paper)")
@@ -324,19 +315,19 @@ def main(argv: list[str] | None = None) -> None:
                                         "host: decoding's host overhead, one sentence a batch)")
     parser.add_argument("--scale", default="suite", choices=["suite", "paper"],
                         help="suite: one fixed batch of 24-token sentences a step; paper: real lengths, 25k tokens a step")
-    parser.add_argument("--paper-tokens", type=_at_least(64), default=25_000, help="target tokens a step (--scale paper)")
-    parser.add_argument("--paper-steps", type=_at_least(1), default=6, help="different steps a repetition (--scale paper)")
-    parser.add_argument("--paper-sentences", type=_at_least(1), default=3000,
+    parser.add_argument("--paper-tokens", type=at_least(64), default=25_000, help="target tokens a step (--scale paper)")
+    parser.add_argument("--paper-steps", type=at_least(1), default=6, help="different steps a repetition (--scale paper)")
+    parser.add_argument("--paper-sentences", type=at_least(1), default=3000,
                         help="sentences to translate, greedy and beam (--scale paper)")
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                         help="peers to compare with; also tformer's variants tformer-int8 (--precision int8 "
                              "decoding, CPU only) and tformer-compile (train.compile: true)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--repeats", type=_at_least(1), help="timed repetitions (default: 5 on CPU, 11 on CUDA)")
-    parser.add_argument("--warmup", type=_at_least(0), default=2)
-    parser.add_argument("--memory-repeats", type=_at_least(1),
+    parser.add_argument("--repeats", type=at_least(1), help="timed repetitions (default: 5 on CPU, 11 on CUDA)")
+    parser.add_argument("--warmup", type=at_least(0), default=2)
+    parser.add_argument("--memory-repeats", type=at_least(1),
                         help="fresh processes per memory probe (default: 3 on CPU, 1 on CUDA, whose peak is exact)")
-    parser.add_argument("--train-batch", type=_at_least(1),
+    parser.add_argument("--train-batch", type=at_least(1),
                         help="sentences of 24 tokens per training step (default: 64 on CPU, 512 on CUDA)")
     parser.add_argument("--precision", choices=["fp32", "bf16"],
                         help="autocast for every system (default: fp32 on CPU, bf16 on CUDA)")

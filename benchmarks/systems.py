@@ -8,6 +8,7 @@ offers: ``train_step(batch)`` (forward, label-smoothed loss, backward, optimizer
 
 from __future__ import annotations
 
+import argparse
 import math
 import warnings
 from contextlib import nullcontext
@@ -421,6 +422,15 @@ DEFAULT_PEERS = [key for key in PEERS if not key.startswith("tformer")]  # tform
 LIBRARIES = {"tformer": "tformer_cli", "torch": "torch", "marian": "transformers", "xtransformers": "x_transformers",
              "ct2": "ctranslate2", "ct2-int8": "ctranslate2", "tformer-int8": "tformer_cli",
              "tformer-compile": "tformer_cli"}
+
+
+def at_least(minimum: int):
+    """argparse type of the benchmark scripts: a whole number of at least ``minimum``."""
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {minimum}")
+        return int(text)
+    return parse
 
 
 def available_peers() -> dict[str, type]:
