@@ -124,6 +124,22 @@ def test_yaml_merge_keys_still_read_while_a_key_given_twice_is_refused(tmp_path)
         load_config(path)
 
 
+def test_a_huge_value_is_quoted_short(tmp_path):
+    # eight levels of YAML aliases, nine each: 43 million entries that are never built or printed
+    lines, name = ['x0: &x0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]'], "x0"
+    for level in range(1, 8):
+        lines.append(f"x{level}: &x{level} [{', '.join(['*' + name] * 9)}]")
+        name = f"x{level}"
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("data:\n" + "".join(f"  {line}\n" for line in lines) + "  data_files: *x7\n"
+                    f"  {'k' * 900}: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bomb, ["model.d_model=" + "9" * 3000 + "x"])
+    assert "data.data_files: expected a mapping, got [[[...], [...], [...], [...], ...]," in str(info.value)
+    assert "--set model.d_model: expected an integer, got '999" in str(info.value)
+    assert "data.'kkkkk" in str(info.value)
+    assert max(len(line.replace(str(bomb), "")) for line in str(info.value).splitlines()) < 200
+
 def test_bad_config_through_the_cli_is_one_line_per_mistake_and_exit_1(tmp_path):
     bad = tmp_path / "x.yaml"
     bad.write_text("model:\n  d_model: 500\n")

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from tformer_cli.errors import ConfigError, first_line
+from tformer_cli.errors import ConfigError, brief, first_line
 
 
 class _KeyGivenTwice(yaml.constructor.ConstructorError):
@@ -69,7 +69,7 @@ def read_yaml(path: Path, sections: typing.Collection[str], seen: tuple[Path, ..
     if parent is None:
         return data
     if not isinstance(parent, str) or not parent:
-        raise ConfigError(f"{path}: extends: expected a file name, got {parent!r}")
+        raise ConfigError(f"{path}: extends: expected a file name, got {brief(parent)}")
     base = read_yaml(path.parent / parent, sections, seen + (path.resolve(),))
     return merge(base, data, sections)
 
@@ -157,8 +157,8 @@ def _build_section(name: str, cls: type, values: dict[str, Any], errors: list[st
 
 
 def _shown(name: Any) -> str:
-    """A key as written, or quoted where it would break the one-line message (a newline, say)."""
-    return name if isinstance(name, str) and name.isprintable() and name else repr(name)
+    """A key as written, or quoted (and cut short) where it would break the one-line message."""
+    return name if isinstance(name, str) and name.isprintable() and 0 < len(name) <= 60 else brief(name)
 
 
 def _quoted(name: Any) -> str:
@@ -183,20 +183,20 @@ def check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
         if any(value == a and type(value) is type(a) for a in args):  # 1 is not true
             return None, value
         choices = ", ".join(str(a).lower() if isinstance(a, bool) else repr(a) for a in args)  # as in YAML
-        return f"must be one of {choices}, got {value!r}{_suggest(str(value), map(str, args))}", value
+        return f"must be one of {choices}, got {brief(value)}{_suggest(str(value), map(str, args))}", value
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            return f"expected a list, got {value!r}", value
+            return f"expected a list, got {brief(value)}", value
         checked = [check_type(v, args[0]) for v in value]
         problems = [p for p, _ in checked if p]
         return (problems[0] if problems else None), [v for _, v in checked]
     if origin is dict:
-        return (None, value) if isinstance(value, dict) else (f"expected a mapping, got {value!r}", value)
+        return (None, value) if isinstance(value, dict) else (f"expected a mapping, got {brief(value)}", value)
     if hint is bool:
-        return (None, value) if isinstance(value, bool) else (f"expected true or false, got {value!r}", value)
+        return (None, value) if isinstance(value, bool) else (f"expected true or false, got {brief(value)}", value)
     if hint is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
-        return (None, value) if ok else (f"expected an integer, got {value!r}", value)
+        return (None, value) if ok else (f"expected an integer, got {brief(value)}", value)
     if hint is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -207,12 +207,12 @@ def check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
             except ValueError:
                 pass
         if number is None:
-            return f"expected a number, got {value!r}", value
-        return (None, number) if math.isfinite(number) else (f"expected a finite number, got {value!r}", value)
+            return f"expected a number, got {brief(value)}", value
+        return (None, number) if math.isfinite(number) else (f"expected a finite number, got {brief(value)}", value)
     if hint is str:
         if isinstance(value, str):
             return None, value
         scalar = value is None or isinstance(value, (bool, int, float))  # what YAML made of unquoted text
         quote = " (YAML reads yes, no, on, off, ~ and numbers as other types); put the text in quotes" if scalar else ""
-        return f"expected a string, got {value!r}{quote}", value
+        return f"expected a string, got {brief(value)}{quote}", value
     return None, value

@@ -18,7 +18,7 @@ from typing import Any
 
 from tformer_cli import hub
 from tformer_cli.config import DataConfig
-from tformer_cli.errors import DataError, first_line
+from tformer_cli.errors import DataError, brief, first_line
 
 FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".txt": "text"}
 READ_CHUNK = 100_000  # pairs made Python strings at a time, so that a split of millions never is at once
@@ -231,7 +231,7 @@ def _parser_error(exc: BaseException) -> BaseException:
 
 def _text_pairs(files: list[str], where: str) -> ArrowPairs:
     if len(files) != 2:
-        raise DataError(f"plain-text data needs two parallel files [source, target] per split, got {files}")
+        raise DataError(f"plain-text data needs two parallel files [source, target] per split, got {brief(files)}")
     source, target = (_load_files("text", [f], encoding="utf-8-sig") for f in files)  # -sig: a byte-order mark is no text
     if len(source) != len(target):
         raise DataError(f"parallel files differ in length: {files[0]} has {len(source)} lines, "

@@ -1,5 +1,7 @@
 """User-facing errors: each message says what was wrong and how to fix it, in one line."""
 
+import reprlib
+
 
 class TformerError(Exception):
     """Base class for mistakes a user can fix; the CLI prints the message without a traceback."""
@@ -29,6 +31,17 @@ def out_of_memory(exc: BaseException) -> bool:
     """Whether torch ran out of memory: its CUDA allocator raises OutOfMemoryError, its CPU allocator a
     RuntimeError saying so."""
     return type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc)
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxlist, _BRIEF.maxtuple, _BRIEF.maxdict = 2, 4, 4, 4
+_BRIEF.maxstring = _BRIEF.maxother = 60
+
+
+def brief(value: object) -> str:
+    """``repr(value)`` cut short, for a message that quotes what the user gave: a 10,000-entry list, or
+    a YAML alias that stands for millions of entries, stays one short line (and is never built)."""
+    return _BRIEF.repr(value)
 
 
 def first_line(exc: BaseException) -> str:
