@@ -209,6 +209,18 @@ def _data_cases() -> list[Case]:
         Case("data/train/split-missing", TRAIN, "has no split 'dev'",
              files={"c.yaml": _config(data={"validation_split": "dev"})}),
         Case("data/eval/split-missing", ["eval", "{run}", "--split", "dev"], "has no split 'dev'"),
+        Case("data/train/every-target-null", TRAIN, "no train pairs left: all 2 have an empty (or null) en or de; "
+             "check data.source", files={"d.jsonl": '{"en": "one", "de": null}\n{"en": "two", "de": " "}\n',
+                                         "c.yaml": _config(data={"dataset": None, "data_files": {"train": "{tmp}/d.jsonl"},
+                                                                 "validation_split": None})}),
+        Case("data/train/every-pair-too-long", TRAIN, "no train pairs left: all 2 are longer than data.max_length 3 "
+             "tokens (1 more were empty); raise", files={"d.jsonl": '{"en": "one two three four five", "de": "eins"}\n' * 2
+                                                         + '{"en": "", "de": "x"}\n', "c.yaml": _config(data={
+                 "dataset": None, "data_files": {"train": "{tmp}/d.jsonl"}, "validation_split": None, "max_length": 3})}),
+        Case("data/train/every-validation-pair-too-long", TRAIN, "no validation pairs left: all 2 are longer",
+             files={"d/train.jsonl": '{"en": "one", "de": "eins"}\n',
+                    "d/validation.jsonl": '{"en": "one two three four", "de": "eins zwei drei vier"}\n' * 2,
+                    "c.yaml": _config(data={"dataset": "{tmp}/d", "max_length": 3})}),
         Case("data/train/no-validation-file", TRAIN, "(or data.validation_split: null to train without one)",
              files={"d/train.jsonl": (NUMBERS / "train.jsonl").read_text(), "c.yaml": _config(data={"dataset": "{tmp}/d"})}),
     ]

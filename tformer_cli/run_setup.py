@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from tformer_cli.accel import accelerate
-from tformer_cli.config import Config
+from tformer_cli.config import Config, DataConfig
 from tformer_cli.encoding import (
-    cached_vocabulary, encodings_cached, load_encoded, prepare_apart, train_or_load_vocabulary, worth_preparing_apart)
+    EncodedSplit, cached_vocabulary, encodings_cached, load_encoded, prepare_apart, train_or_load_vocabulary, worth_preparing_apart)
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, ConfigError, DataError, first_line, out_of_memory
 from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, compiles, label_smoothed_loss
@@ -153,10 +153,10 @@ class Setup:
                 warn(message)
         self.vocab = vocab if vocab is not None else train_or_load_vocabulary(data, warn)
         self.train_data = load_encoded(data, data.train_split, self.vocab, warn)
-        if len(self.train_data) == 0:
-            raise DataError(f"no training pairs left after filtering (max_length {data.max_length}); "
-                            "raise data.max_length or set data.long_pairs: truncate")
         self.valid_data = load_encoded(data, data.validation_split, self.vocab, warn) if len(splits) > 1 else None
+        for split, encoded in ((data.train_split, self.train_data), (data.validation_split, self.valid_data)):
+            if encoded is not None and len(encoded) == 0:
+                raise _nothing_left(split, encoded, data)
         if not resume and self.workers.main:  # once the data has loaded: a start that fails on it leaves nothing
             save_run_files(self.run_dir, self.config, self.vocab)
 
@@ -184,6 +184,16 @@ class Setup:
                 kept = [r for r in read_jsonl(metrics) if r.get("step", 0) <= self.state.step]
                 write_text_atomic(metrics, "".join(json_line(r) for r in kept))
         return saved
+
+
+def _nothing_left(split: str, encoded: EncodedSplit, data: DataConfig) -> DataError:
+    """Why every pair of a split was dropped, and what to change."""
+    if encoded.dropped_long == 0:
+        return DataError(f"no {split} pairs left: all {encoded.dropped_empty:,} have an empty (or null) "
+                         f"{data.source} or {data.target}; check data.source and data.target")
+    empty = f" ({encoded.dropped_empty:,} more were empty)" if encoded.dropped_empty else ""
+    return DataError(f"no {split} pairs left: all {encoded.dropped_long:,} are longer than data.max_length "
+                     f"{data.max_length} tokens{empty}; raise data.max_length or set data.long_pairs: truncate")
 
 
 def run_vocabulary(run_dir: Path, workers: Workers) -> Vocabulary:
