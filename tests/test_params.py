@@ -56,6 +56,15 @@ def test_count_params_bad_flags_give_one_line_errors():
     assert result.exit_code == 1
     assert "model.num_heads: d_model 500 is not divisible by num_heads 8" in result.output
     assert "Traceback" not in result.output
+    # a mistake is named by the flag that made it, once, even where a config file is given too
+    for args, line in [(["--layers", "0"], "error: --layers: must be >= 1, got 0"),
+                       (["--decoder-layers", "0"], "error: --decoder-layers: must be >= 1, got 0"),
+                       (["configs/base.yaml", "--num-heads", "7"], "error: --num-heads: d_model 512 is not divisible"),
+                       (["configs/base.yaml", "--set", "model.dropout=2"], "error: --set model.dropout: must be in")]:
+        result = CliRunner().invoke(app, ["count-params", *args])
+        assert result.exit_code == 1 and result.output.startswith(line) and result.output.count("\n") == 1, result.output
+    shapes = json.loads(CliRunner().invoke(app, ["count-params", "--layers", "3", "--decoder-layers", "1", "--json"]).output)
+    assert (shapes["config"]["num_encoder_layers"], shapes["config"]["num_decoder_layers"]) == (3, 1)
 
 
 def test_training_flops_per_token_are_the_matrix_products_torch_counts():

@@ -358,12 +358,17 @@ def count_params(
     from tformer_cli.params import summary
     from tformer_cli.render import param_table, print_json
 
-    flags = {"model.d_model": d_model, "model.num_heads": heads, "model.d_ff": d_ff, "data.vocab_size": vocab,
-             "model.share_embeddings": share, "model.num_encoder_layers": encoder_layers or layers,
-             "model.num_decoder_layers": decoder_layers or layers, "model.norm": norm,
-             "model.positional": positional, "model.max_len": max_len}
-    sets = [f"{k}={v}" for k, v in flags.items() if v is not None] + list(overrides or [])
-    cfg = load_config(config, sets, overrides_are_sets=False)
+    given = {("model.d_model", "--d-model"): d_model, ("model.num_heads", "--num-heads"): heads,
+             ("model.d_ff", "--d-ff"): d_ff, ("data.vocab_size", "--vocab-size"): vocab,
+             ("model.share_embeddings", "--share-embeddings"): share,
+             ("model.num_encoder_layers", "--layers"): layers, ("model.num_decoder_layers", "--layers"): layers,
+             ("model.num_encoder_layers", "--encoder-layers"): encoder_layers,
+             ("model.num_decoder_layers", "--decoder-layers"): decoder_layers,
+             ("model.norm", "--norm"): norm, ("model.positional", "--positional"): positional,
+             ("model.max_len", "--max-len"): max_len}
+    given = {key: value for key, value in given.items() if value is not None}
+    sets = [f"{key}={value}" for (key, _), value in given.items()] + list(overrides or [])
+    cfg = load_config(config, sets, flags={key: flag for key, flag in given})
     vocab_size = cfg.data.vocab_size
     result = summary(cfg.model, vocab_size, vocab_size)
     print_json(result) if json_output else param_table(result)

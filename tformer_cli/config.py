@@ -192,11 +192,11 @@ SAVED_RUN_DEFAULTS: dict[str, dict[str, Any]] = {"model": {"attention_bias": Tru
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                saved_run: bool = False, overrides_are_sets: bool = True) -> Config:
+                saved_run: bool = False, flags: dict[str, str] | None = None) -> Config:
     """Read a YAML config (following ``extends``), apply ``section.key=value`` overrides, validate.
     ``saved_run``: the file is a run folder's config.yaml (keys it lacks take ``SAVED_RUN_DEFAULTS``).
-    ``overrides_are_sets``: the overrides are the user's ``--set`` items, and a mistake in one is named
-    so (else a command's own options, named as the file's mistakes are).
+    ``flags``: the keys that a command's own options set, with the option's name (``model.d_model`` ->
+    ``--d-model``); a mistake in one is named by its option, one in another override by its ``--set``.
 
     Raises:
         ConfigError: listing every mistake, one line each, prefixed by the file name.
@@ -210,16 +210,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = merge(copy.deepcopy(SAVED_RUN_DEFAULTS), raw, SECTIONS)
         source = str(path)
     errors: list[str] = []
-    overridden = {apply_override(raw, item, errors) for item in overrides or []} - {None}
-    if not overrides_are_sets:
-        overridden = set()
+    overridden = {apply_override(raw, item, errors) for item in overrides or []} - {None} - set(flags or {})
     sections = build_sections(raw, SECTIONS, errors)
     config = None
     if sections is not None:
         config = Config(**sections, name=Path(path).stem if path is not None else "config")
         errors += validate(config)
     if errors:
-        raise ConfigError("\n".join(origin(e, overridden, source) for e in errors))
+        lines = (origin(e, overridden, source, flags or {}) for e in errors)
+        raise ConfigError("\n".join(dict.fromkeys(lines)))  # --layers 0 is two mistakes, said once
     return config
 
 

@@ -113,11 +113,14 @@ def apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> str | N
     return ".".join(parts[:2])
 
 
-def origin(error: str, overridden: set[str], source: str) -> str:
-    """The error prefixed by where the mistake is: a --set item, or else the file (or command line)."""
+def origin(error: str, overridden: set[str], source: str, flags: dict[str, str]) -> str:
+    """The error prefixed by where the mistake is: a command's option, a --set item, or else the file (or
+    command line)."""
     if error.startswith("--set "):
         return error
-    key = error.split(":")[0]  # e.g. data.data_files.train, from --set data.data_files=...
+    key, _, problem = error.partition(": ")  # key: e.g. data.data_files.train, from --set data.data_files=...
+    if key in flags:
+        return f"{flags[key]}: {problem}"
     return f"--set {error}" if any(key == o or key.startswith(o + ".") for o in overridden) else f"{source}: {error}"
 
 
