@@ -28,9 +28,15 @@ def test_averaging_two_checkpoints_gives_the_element_wise_mean(tmp_path):
     assert average_checkpoints(step_checkpoints(tmp_path)[:1], folder, tmp_path) == folder  # an average may be replaced
     checkpoint = step_checkpoints(tmp_path)[0]
     weights = (checkpoint / "model.safetensors").read_bytes()
-    with pytest.raises(UsageError, match="holds weights that are not an average"):
+    with pytest.raises(UsageError, match="holds a model.safetensors that is not an average"):
         average_checkpoints(step_checkpoints(tmp_path), checkpoint, tmp_path)
     assert (checkpoint / "model.safetensors").read_bytes() == weights
+    for mine in (b"keep", b""):  # a file of the user's that is no safetensors at all
+        (tmp_path / "elsewhere").mkdir(exist_ok=True)
+        (tmp_path / "elsewhere" / "model.safetensors").write_bytes(mine)
+        with pytest.raises(UsageError, match="holds a model.safetensors that is not an average"):
+            average_checkpoints(step_checkpoints(tmp_path), tmp_path / "elsewhere", tmp_path)
+        assert (tmp_path / "elsewhere" / "model.safetensors").read_bytes() == mine
 
 
 def test_keep_last_prunes_old_checkpoints_and_weights_round_trip(tmp_path):

@@ -285,18 +285,27 @@ def _need_checkpoints(run_dir: Path, flag: str, count: int, found: int, what: st
                          f"or keep more with train.keep_last")
 
 
+def _holds_an_average(path: Path) -> bool:
+    """Whether ``path`` is weights that average_checkpoints wrote (their metadata says so)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as weights:
+            return "averaged" in (weights.metadata() or {})
+    except Exception:  # safetensors' own error for a file it cannot parse; a folder; no permission
+        return False
+
+
 def average_checkpoints(checkpoints: list[Path], output: Path, run_dir: Path) -> Path:
     """Element-wise mean of the checkpoints' weights (as the paper and fairseq do), saved atomically
     in the folder ``output``, which is returned: eval and generate take it as a checkpoint. Inside the
     run folder ``run_dir`` they find the run's config and tokenizer above it; elsewhere the folder gets
     copies of them, a run folder of its own."""
-    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    if (output / WEIGHTS).is_file():  # replace an earlier average, never a run's or a checkpoint's own weights
-        with safe_open(str(output / WEIGHTS), "pt") as existing:
-            if "averaged" not in (existing.metadata() or {}):
-                raise UsageError(f"--output {output}: holds weights that are not an average; pick another folder")
+    if (output / WEIGHTS).exists() and not _holds_an_average(output / WEIGHTS):
+        # replace an earlier average, never a run's or a checkpoint's own weights, nor a file of the user's
+        raise UsageError(f"--output {output}: holds a {WEIGHTS} that is not an average; pick another folder")
     run_files = [CONFIG, *Vocabulary.files(run_dir)]
     owner = owning_run(output)  # the run folder that eval and generate would take the average's config from
     standalone = owner is None or owner.resolve() != Path(run_dir).resolve()
