@@ -171,6 +171,7 @@ def _data_cases() -> list[Case]:
         "csv": [("empty", "", "the file is empty"), ("non-utf8", b"en,de\none,eins\xff\n", "not UTF-8 text"),
                 ("wrong-fields", "a,b\n1,2\n", "field 'en' not in the dataset"),
                 ("wrong-type", "en,de\n1,2\n", "holds int64, not text")],
+        "tsv": [("no-tab", "one eins\ntwo zwei\n", "the first line has no tab; a .tsv file holds the source, a tab")],
         "parquet": [("empty", "", "the file is empty"), ("binary", BINARY, "could not read"),
                     ("truncated", b"PAR1\x00\x00", "could not read")],
     }

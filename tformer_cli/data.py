@@ -249,9 +249,14 @@ def _tsv_pairs(files: list[str], cfg: DataConfig, where: str) -> ArrowPairs:
 
     names = [cfg.source, cfg.target]
     strings = datasets.Features({name: datasets.Value("string") for name in names})
-    tables = [_load_files("csv", [file], sep="\t", header=0 if _first_fields(file) == names else None,
-                          column_names=names, usecols=[0, 1], quoting=csv.QUOTE_NONE, na_filter=False,
-                          features=strings) for file in files]
+    tables = []
+    for file in files:
+        first = _first_fields(file)
+        if len(first) < 2:
+            raise DataError(f"{file}: the first line has no tab; a .tsv file holds the source, a tab and the "
+                            "target on each line")
+        tables.append(_load_files("csv", [file], sep="\t", header=0 if first == names else None, column_names=names,
+                                  usecols=[0, 1], quoting=csv.QUOTE_NONE, na_filter=False, features=strings))
     pairs = datasets.concatenate_datasets(tables)
     return ArrowPairs(pairs, pairs, cfg.source, cfg.target, where)
 
