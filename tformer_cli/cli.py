@@ -19,7 +19,7 @@ from tformer_cli import __version__
 from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
     ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, QuietOpt, RunArg, SetOpt, check_image_name, check_text)
-from tformer_cli.errors import CheckpointError, Interrupted, TformerError, UsageError, first_line, out_of_memory
+from tformer_cli.errors import CheckpointError, Interrupted, TformerError, UsageError, out_of_memory
 
 
 class _ErrorBoundary(TyperGroup):
@@ -293,7 +293,7 @@ def export(
       tformer export runs/multi30k runs/multi30k-hf --push-to-hub me/multi30k-de-en
       tformer export runs/multi30k runs/multi30k-ct2 --to ctranslate2 --quantization int8
     """
-    from tformer_cli.export import export_ctranslate2, export_hf
+    from tformer_cli.export import export_ctranslate2, export_hf, push
     from tformer_cli.render import console, print_json
     from tformer_cli.runtime import load_run
 
@@ -309,24 +309,12 @@ def export(
     else:
         folder = export_ctranslate2(loaded.model, loaded.config, loaded.vocab, out, quantization)
     if push_to_hub:
-        _push(folder, push_to_hub)
+        push(folder, push_to_hub)
     if json_output:
         print_json({"folder": str(folder), "format": to, "quantization": quantization, "pushed_to": push_to_hub})
     else:
         console.print(f"exported {loaded.weights} -> {folder}" + (f" (and {push_to_hub} on the Hub)" if push_to_hub
                                                                   else ""), highlight=False)
-
-
-def _push(folder: Path, repo: str) -> None:
-    """Upload an exported folder to a Hub model repository (created if missing)."""
-    from huggingface_hub import HfApi
-
-    api = HfApi()
-    try:
-        api.create_repo(repo, exist_ok=True)
-        api.upload_folder(repo_id=repo, folder_path=str(folder))
-    except Exception as exc:  # offline, not logged in, no rights: the hub client's own errors
-        raise UsageError(f"--push-to-hub {repo}: {first_line(exc)}; the export is in {folder}") from None
 
 
 @app.command("count-params")

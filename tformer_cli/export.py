@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from tformer_cli.config import Config, ModelConfig
-from tformer_cli.errors import UsageError
+from tformer_cli.errors import UsageError, first_line
 from tformer_cli.files import replacing
 from tformer_cli.tokenizer import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, UNK, Vocabulary
 
@@ -176,6 +176,18 @@ def export_ctranslate2(model: torch.nn.Module, config: Config, vocab: Vocabulary
         spec.save(str(tmp))
         vocab.save(tmp)  # the tokenizer(s), for callers to turn text into tokens and back
     return Path(out)
+
+
+def push(folder: Path, repo: str) -> None:
+    """Upload an exported folder to a Hub model repository (created if missing)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo, exist_ok=True)
+        api.upload_folder(repo_id=repo, folder_path=str(folder))
+    except Exception as exc:  # offline, not logged in, no rights: the hub client's own errors
+        raise UsageError(f"--push-to-hub {repo}: {first_line(exc)}; the export is in {folder}") from None
 
 
 def ctranslate2_spec(model: torch.nn.Module, m: ModelConfig, source_tokens: list[str], target_tokens: list[str]):
