@@ -335,8 +335,10 @@ def test_the_child_process_errors_arrive_as_one_line_errors(tmp_path):
     with pytest.raises(DataError) as in_process:
         load_pairs(missing, "train")
     assert str(raised.value) == str(in_process.value)
-    with pytest.raises(DataError, match="exit code 3"):  # a child that dies without answering
+    with pytest.raises(DataError, match=r"exit code 3 \(its error is above\)"):  # a child that dies without answering
         _in_child(os._exit, 3)
+    with pytest.raises(DataError, match=r"exit code -6 \(SIGABRT: a library it ran crashed\)"):  # as tokenizers can
+        _in_child(os.abort)
 
 
 def test_a_signal_while_the_child_works_stops_it_at_once():

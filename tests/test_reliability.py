@@ -316,6 +316,8 @@ def test_a_disk_too_full_for_the_runs_marker_is_one_line_and_leaves_no_folder(tm
                                                                                   "another folder"),
     (OSError(30, "Read-only file system"), "make the folder writable or pick another folder"),
     (IsADirectoryError(21, "Is a directory"), "that is a folder; name a file"),
+    (FileNotFoundError(2, "No such file or directory"), "its folder was moved or deleted while the command ran; "
+                                                        "leave it in place or pick another folder"),
     ("safetensors", "make the folder writable or pick another folder")])
 def test_a_failed_write_says_what_to_do_about_its_cause(tmp_path, cause, remedy):
     from safetensors import SafetensorError

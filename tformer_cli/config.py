@@ -178,6 +178,8 @@ class Config:
     name: str = "config"
 
 
+MAX_VOCAB = 2**24  # far past any BPE vocabulary in use; the tokenizers library aborts the process near 10^9
+
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "decode": DecodeConfig}
 
 
@@ -286,7 +288,7 @@ def _validate_data(d: DataConfig, m: ModelConfig, need: Need) -> None:
     need(d.max_length <= m.max_len, "data.max_length",
          f"{d.max_length} exceeds model.max_len {m.max_len}; lower it or raise model.max_len")
     need(0.0 <= d.bpe_dropout < 1.0, "data.bpe_dropout", f"must be in [0, 1), got {d.bpe_dropout}")
-    need(d.vocab_size >= 16, "data.vocab_size", f"must be >= 16, got {d.vocab_size}")
+    need(16 <= d.vocab_size <= MAX_VOCAB, "data.vocab_size", f"must be in [16, {MAX_VOCAB:,}], got {d.vocab_size}")
     need(d.bpe_max_pairs is None or d.bpe_max_pairs > 0, "data.bpe_max_pairs",
          f"must be > 0 (or null: every pair), got {d.bpe_max_pairs}")
     need(d.joint_vocab or m.share_embeddings != "all", "model.share_embeddings",

@@ -351,9 +351,8 @@ def _in_child(function: Callable, *args: Any) -> Any:
         returned, value = receive.recv()
     except EOFError:
         child.join()
-        cause = "killed: out of memory?" if (child.exitcode or 0) < 0 else "its error is above"
         raise DataError(f"preparing the data failed: its process ended with exit code {child.exitcode} "
-                        f"({cause})") from None
+                        f"({_death(child.exitcode)})") from None
     except BaseException:
         child.terminate()  # it unwinds (_answer)
         raise
@@ -363,6 +362,14 @@ def _in_child(function: Callable, *args: Any) -> Any:
     if not returned:
         raise value
     return value
+
+
+def _death(exitcode: int | None) -> str:
+    """What a child's exit code says of how it ended, for the one-line error."""
+    if exitcode is None or exitcode >= 0:
+        return "its error is above"
+    name = signal.Signals(-exitcode).name
+    return "SIGKILL: out of memory?" if name == "SIGKILL" else f"{name}: a library it ran crashed"
 
 
 def _answer(send, function: Callable, args: tuple) -> None:

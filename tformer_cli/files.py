@@ -71,6 +71,9 @@ def write_failed(path: Path, exc: BaseException, outcome: str) -> WriteFailed:
     code = error_number(exc)
     if code == errno.EISDIR:
         return WriteFailed(path, first_line(exc), outcome, "that is a folder; name a file", elsewhere=False)
+    if code == errno.ENOENT:
+        return WriteFailed(path, first_line(exc), outcome, "its folder was moved or deleted while the command ran; "
+                           "leave it in place", elsewhere=True)
     fix = "make the folder writable" if code in (errno.EACCES, errno.EPERM, errno.EROFS) else "free space on the disk"
     return WriteFailed(path, first_line(exc), outcome, fix, elsewhere=True)
 
