@@ -421,6 +421,12 @@ def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, mon
     result = runner.invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "large")])
     assert result.exit_code == 1 and result.output.startswith("error: the model does not fit in the CPU's memory: "
                                                               "lower model.d_model"), result.output
+    # positional tables far longer than the weights: model.max_len is the setting to lower
+    long = write_config(tmp_path / "long.yaml", model={"max_len": 10**9})
+    result = runner.invoke(app, ["train", str(long), "--output-dir", str(tmp_path / "long")])
+    assert result.exit_code == 1 and result.output.strip().endswith(
+        "its positional tables have a row for each of model.max_len's 1,000,000,000 positions; lower model.max_len "
+        "to what the data needs (data.max_length is 48)"), result.output
 
 
 def test_an_error_during_training_stops_the_live_progress_display(tmp_path, monkeypatch):

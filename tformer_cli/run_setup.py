@@ -21,6 +21,7 @@ from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, compiles, label_s
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_failed, write_text_atomic
 from tformer_cli.model import build_model
 from tformer_cli.optim import make_optimizer
+from tformer_cli.params import total_params
 from tformer_cli.parallel import Workers, distribute, gathered, load_optimizer_state, shard_like
 from tformer_cli.run_folder import METRICS, WEIGHTS
 from tformer_cli.runtime import (
@@ -115,9 +116,7 @@ class Setup:
         except RuntimeError as exc:  # the model alone: lowering train.max_tokens, the usual advice, cannot help
             if not out_of_memory(exc):
                 raise
-            raise ConfigError(f"the model does not fit in the {self.device.type.upper()}'s memory: lower model.d_model, "
-                              "model.d_ff or the number of layers (tformer count-params CONFIG shows what it "
-                              "needs)") from None
+            raise _too_big(self.config, self.vocab, self.device) from None
         return accelerate(model, self.device, self.config.train.accel)  # the speed layer, unless train.accel is off
 
     def whole_model(self) -> torch.nn.Module | None:
@@ -184,6 +183,19 @@ class Setup:
                 kept = [r for r in read_jsonl(metrics) if r.get("step", 0) <= self.state.step]
                 write_text_atomic(metrics, "".join(json_line(r) for r in kept))
         return saved
+
+
+def _too_big(config: Config, vocab: Vocabulary, device: torch.device) -> ConfigError:
+    """What to lower when the model does not fit: model.max_len where its positional tables (built in
+    float64) outweigh the weights, else the model's width and depth."""
+    m, where = config.model, f"the model does not fit in the {device.type.upper()}'s memory"
+    tables = 0 if m.positional == "alibi" else 2 * m.max_len * m.d_model  # one a stack, in float64
+    if 2 * tables > total_params(m, vocab.src_size, vocab.tgt_size):
+        return ConfigError(f"{where}: its positional tables have a row for each of model.max_len's {m.max_len:,} "
+                           f"positions; lower model.max_len to what the data needs (data.max_length is "
+                           f"{config.data.max_length})")
+    return ConfigError(f"{where}: lower model.d_model, model.d_ff or the number of layers (tformer count-params "
+                       "CONFIG shows what it needs)")
 
 
 def _nothing_left(split: str, encoded: EncodedSplit, data: DataConfig) -> DataError:
