@@ -408,7 +408,8 @@ def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, mon
                            "tokens a step); a run with checkpoints goes on with tformer train --resume RUN "
                            "--set train.max_tokens=..."),
                           (["generate", str(run_dir), "seven"],
-                           "error: out of CPU memory: lower --batch-size or --max-tokens (what is decoded together)")):
+                           "error: out of CPU memory: lower --batch-size or --max-tokens (what is decoded "
+                           "together), or --beam-size or --nbest (hypotheses a sentence)")):
         result = runner.invoke(app, command)
         assert result.exit_code == 1 and result.output.strip() == line, result.output
     monkeypatch.setattr(decoding, "translate", lambda *args: 1 / 0)  # other errors are not hidden

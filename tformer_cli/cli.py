@@ -61,8 +61,9 @@ class _ErrorBoundary(TyperGroup):
 OUT_OF_MEMORY = {
     "train": "lower train.max_tokens (raise train.grad_accum to keep the tokens a step); a run with "
              "checkpoints goes on with tformer train --resume RUN --set train.max_tokens=...",
-    "eval": "lower --batch-size or --max-tokens (what is decoded together)",
-    "generate": "lower --batch-size or --max-tokens (what is decoded together)",
+    "eval": "lower --batch-size or --max-tokens (what is decoded together), or --beam-size",
+    "generate": "lower --batch-size or --max-tokens (what is decoded together), or --beam-size or --nbest "
+                "(hypotheses a sentence)",
     "inspect-attention": "use a shorter sentence",
 }
 
