@@ -119,6 +119,7 @@ def test_low_temperature_and_top_k_one_sampling_equal_greedy(model):
     src = _sources()
     greedy = [h.tokens for h in greedy_or_sample(model, src, DecodeOptions(max_len_a=0, max_len_b=10))]
     for options in (DecodeOptions(sample=True, temperature=0.0), DecodeOptions(sample=True, temperature=1e-4),
+                    DecodeOptions(sample=True, temperature=1e-300),  # log-probabilities / T overflow to -inf
                     DecodeOptions(sample=True, top_k=1, seed=3), DecodeOptions(sample=True, top_p=1e-6, seed=3)):
         options.max_len_a, options.max_len_b = 0, 10
         assert [h.tokens for h in greedy_or_sample(model, src, options)] == greedy

@@ -160,7 +160,10 @@ def _sample(log_probs: Tensor, options: DecodeOptions, generator: torch.Generato
     """One token per row from softmax(logits / T), restricted to the top-k, the top-p nucleus and the
     tokens of probability at least epsilon (epsilon sampling, Hewitt et al. 2022; the most likely
     token always stays)."""
-    logits = log_probs / options.temperature  # (b, V)
+    # shifted so that each row's best is 0: a tiny T (even one that is 0 in the logits' precision) sends
+    # the others to -inf, never all of them
+    temperature = max(options.temperature, torch.finfo(log_probs.dtype).tiny)
+    logits = (log_probs - log_probs.amax(dim=-1, keepdim=True)) / temperature  # (b, V)
     if options.top_k > 0:
         kth = logits.topk(min(options.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
