@@ -296,6 +296,8 @@ def _argument_cases() -> list[Case]:
         (ins + ["seven", "--target", b"\xff".decode("utf-8", "surrogateescape")], "--target: not UTF-8 text"),
         (ins + ["seven", "--layer", "9"], "--layer 9"), (ins + ["seven", "--head", "0"], "--head 0"),
         (ins + ["seven", "--kind", "sideways"], "--kind sideways"), (ins + ["", "--layer", "1"], "source text is empty"),
+        (ins + ["seven " * 80], "more than the model's 64 positions; inspect a shorter sentence"),
+        (ins + ["seven", "--target", "sieben " * 80], "--target needs 81 positions, more than the model's 64; give"),
         (ins + ["seven", "--save", "{tmp}/a.jpeg"], "use a .png, .svg or .pdf"),
         (["eval", "{run}", "--beam-size", "-1"], "--beam-size -1"), (["eval", "{run}", "--max-samples", "0"], "--max-samples 0"),
         (["eval", "{run}", "--length-penalty", "-1"], "--length-penalty -1"),

@@ -66,7 +66,10 @@ def capture_attention(model: torch.nn.Module, vocab: Vocabulary, source: str, ta
         tgt_ids = [BOS_ID] + hypothesis.tokens + [EOS_ID]
         target = vocab.decode_targets([hypothesis.tokens])[0]
     else:
-        tgt_ids = vocab.encode_targets([target])[0][:max_len]
+        tgt_ids = vocab.encode_targets([target])[0]
+        if len(tgt_ids) - 1 > max_len:  # the decoder reads all but the closing EOS
+            raise UsageError(f"--target needs {len(tgt_ids) - 1} positions, more than the model's {max_len}; "
+                             "give a shorter one")
     tgt_in = torch.tensor([tgt_ids[:-1]], device=src.device)
     encoded = model.encode(src, need_weights=True)
     decoded = model.decode(tgt_in, encoded, need_weights=True)
