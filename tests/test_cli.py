@@ -332,6 +332,39 @@ def test_eval_output_makes_its_folder_and_an_unwritable_path_is_a_one_line_error
                                                        f"hypotheses, e.g. {tmp_path / 'hyps.txt'}\n")
 
 
+def test_eval_output_into_a_stream_is_written_as_it_comes(run_dir, tmp_path):
+    """/dev/stdout, a shell's >(...) (/dev/fd/N) and a named pipe are written, never replaced: stdout
+    redirected to a file with >> keeps what the file held, and a pipe's reader sees one stream."""
+    import threading
+
+    def evaluate(output: str, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tformer_cli", "eval", str(run_dir), "--max-samples", "2",
+                               "--beam-size", "1", "--output", output, "--json"], timeout=120, **kwargs)
+
+    log = tmp_path / "log.txt"
+    log.write_text("kept\n")
+    with open(log, "a") as appended:
+        assert evaluate("/dev/stdout", stdout=appended).returncode == 0
+    lines = log.read_text().splitlines()
+    assert lines[0] == "kept" and len(lines) == 4 and json.loads(lines[3])["sentences"] == 2, lines
+    hypotheses = lines[1:3]
+
+    read, write = os.pipe()  # what bash's >(...) hands a command: /dev/fd/N
+    done = evaluate(f"/dev/fd/{write}", pass_fds=[write], capture_output=True)
+    os.close(write)
+    with os.fdopen(read) as piped:
+        assert done.returncode == 0 and piped.read().splitlines() == hypotheses, done.stderr
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.extend(fifo.read_text().splitlines()), daemon=True)
+    reader.start()
+    assert evaluate(str(fifo), capture_output=True).returncode == 0
+    reader.join(timeout=60)
+    assert received == hypotheses
+
+
 def test_eval_output_never_replaces_a_runs_files_or_the_data_it_reads(run_dir, tmp_path):
     run, dataset = tmp_path / "run", tmp_path / "numbers"  # copies: were a check to fail, nothing shared is lost
     shutil.copytree(run_dir, run)

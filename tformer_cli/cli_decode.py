@@ -153,7 +153,7 @@ def _eval_data(data: DataConfig, split: str, data_files: list[Path] | None, sour
 
 def _report_eval(result: dict, output: Path | None, json_output: bool) -> None:
     """Warn about empty references, write the hypotheses to ``output``, show the scores."""
-    from tformer_cli.files import write_text_atomic
+    from tformer_cli.files import write_output
     from tformer_cli.render import eval_table, print_json, warn
 
     hypotheses = result.pop("hypotheses")
@@ -161,7 +161,7 @@ def _report_eval(result: dict, output: Path | None, json_output: bool) -> None:
         warn(f"{result['empty_references']} of {result['sentences']} references are empty: their translations are "
              "scored against nothing and left out of the loss")
     if output:
-        write_text_atomic(output, "".join(h + "\n" for h in hypotheses))
+        write_output(output, "".join(h + "\n" for h in hypotheses))
     print_json(result) if json_output else eval_table(result)
 
 
@@ -307,6 +307,7 @@ def check_hypotheses_file(output: Path, data: DataConfig) -> None:
     """eval's ``--output`` may replace a file of its own, never a run's files or the data it reads; it
     is created now, so that an unwritable path fails before the evaluation."""
     from tformer_cli.data import local_sources
+    from tformer_cli.files import is_stream
     from tformer_cli.run_folder import is_run_file
 
     if output.is_dir():
@@ -319,8 +320,9 @@ def check_hypotheses_file(output: Path, data: DataConfig) -> None:
         if where == source or source in where.parents:
             raise UsageError(f"--output {output}: {'is' if where == source else 'lies in'} the data being evaluated "
                              f"({source}); write the hypotheses elsewhere, e.g. hyps.txt")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    open(output, "a").close()
+    if not is_stream(output):  # opened and closed, a pipe's reader would see its end
+        output.parent.mkdir(parents=True, exist_ok=True)
+        open(output, "a").close()
 
 
 def check_prefix(vocab: Vocabulary, where: str, prefix: str | None) -> None:

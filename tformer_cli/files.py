@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,35 @@ def error_number(exc: BaseException) -> int | None:
 def write_text_atomic(path: Path, text: str) -> None:
     with replacing(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def is_stream(path: Path) -> bool:
+    """Whether ``path`` names a stream rather than a file to replace: /dev/stdout, a shell's ``>(...)``
+    (/dev/fd/N), a named pipe, a device."""
+    path = Path(path)
+    return str(path.absolute()).startswith(("/dev/", "/proc/")) or (path.exists() and not path.is_file())
+
+
+def write_output(path: Path, text: str) -> None:
+    """``text`` into a file the user named, replaced atomically; or into a stream (``is_stream``), which
+    has no folder to hold a temporary: our own stdout or stderr through Python's (so that a redirected
+    ``/dev/stdout`` is neither truncated nor written over by what is printed next), another appended to."""
+    path = Path(path)
+    if not is_stream(path):
+        write_text_atomic(path, text)
+        return
+    named = os.stat(path)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            same = os.fstat(stream.fileno())
+        except (AttributeError, OSError, ValueError):  # replaced by a test's capture, or closed
+            continue
+        if (named.st_dev, named.st_ino) == (same.st_dev, same.st_ino):
+            stream.write(text)
+            stream.flush()
+            return
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(text)
 
 
 def write_figure(figure, path: Path, dpi: int) -> None:  # noqa: ANN001 - a matplotlib Figure
