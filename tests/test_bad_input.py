@@ -123,7 +123,7 @@ def _config_cases() -> list[Case]:
                     ("train", "clip_grad_norm", 0, "must be > 0 or null"), ("train", "max_steps", -3, "must be > 0"),
                     ("train", "keep_last", 0, "must be >= 1"), ("train", "ema_decay", 1.0, "must be in [0, 1)"),
                     ("train", "weight_decay", -0.1, "must be >= 0"), ("train", "betas", [0.9, 1.0], "must be two numbers in [0, 1)"),
-                    ("decode", "beam_size", 0, "must be >= 1"), ("decode", "max_len_a", -1, "must be >= 0, got -1"),
+                    ("decode", "beam_size", 0, "must be >= 1"), ("decode", "max_len_a", -1, "must be >= 0 and finite, got -1"),
                     ("decode", "max_len_b", -5, "must be >= 0, got -5")]
     for section, key, value, expect in out_of_range:
         cases.append(_train_with(_config(**{section: {key: value}}), f"config/range/{section}.{key}={value}",

@@ -312,9 +312,12 @@ def test_out_of_range_decoding_flags_are_one_line_errors_naming_the_flag(run_dir
     for flags, message in ((["--beam", "0"], "--beam-size 0: must be >= 1"),
                            (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
                            (["--sample", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
-                           (["--sample", "--temperature", "-1"], "--temperature -1.0: must be >= 0"),
-                           (["--length-penalty", "-0.5"], "--length-penalty -0.5: must be >= 0 (0: no length "
-                                                          "normalisation)")):
+                           (["--sample", "--temperature", "-1"], "--temperature -1.0: must be >= 0 and finite"),
+                           (["--sample", "--temperature", "inf"], "--temperature inf: must be >= 0 and finite"),
+                           (["--length-penalty", "-0.5"], "--length-penalty -0.5: must be >= 0 and finite (0: no "
+                                                          "length normalisation)"),
+                           (["--length-penalty", "inf"], "--length-penalty inf: must be >= 0 and finite (0: no "
+                                                         "length normalisation)")):
         result = runner.invoke(app, ["generate", str(run_dir), "seven", *flags])
         assert result.exit_code == 1, flags
         assert result.output == f"error: {message}\n"

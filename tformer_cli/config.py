@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -155,16 +156,16 @@ class DecodeConfig:
 # The range of each decode setting, for the config check and for the same flags of `eval` and `generate`.
 DECODE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "beam_size": (lambda v: v >= 1, ">= 1"),
-    "length_penalty": (lambda v: v >= 0, ">= 0 (0: no length normalisation)"),  # beam search's early stop needs it
+    "length_penalty": (lambda v: 0 <= v < math.inf, ">= 0 and finite (0: no length normalisation)"),  # for the early stop
     "batch_size": (lambda v: v is None or v >= 1, ">= 1 or null"),
     "max_tokens": (lambda v: v is None or v >= 1, ">= 1 or null"),
     "min_len": (lambda v: v >= 0, ">= 0"),
     "no_repeat_ngram": (lambda v: v >= 0, ">= 0 (0: off)"),
-    "temperature": (lambda v: v >= 0, ">= 0"),
+    "temperature": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
     "top_k": (lambda v: v >= 0, ">= 0 (0: no limit)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "epsilon": (lambda v: v is None or 0 <= v < 1, "in [0, 1) or null"),
-    "max_len_a": (lambda v: v >= 0, ">= 0"),
+    "max_len_a": (lambda v: 0 <= v < math.inf, ">= 0 and finite"),
     "max_len_b": (lambda v: v >= 0, ">= 0"),
 }
 
