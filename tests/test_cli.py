@@ -340,6 +340,11 @@ def test_eval_output_into_a_stream_is_written_as_it_comes(run_dir, tmp_path):
     redirected to a file with >> keeps what the file held, and a pipe's reader sees one stream."""
     import threading
 
+    from tformer_cli.files import is_stream
+
+    assert is_stream("/dev/stdout") and is_stream("/dev/fd/1") and is_stream("/dev/null")
+    assert not is_stream(tmp_path / "hyps.txt") and not is_stream("/dev/shm/hyps.txt")  # files, replaced whole
+
     def evaluate(output: str, **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "tformer_cli", "eval", str(run_dir), "--max-samples", "2",
                                "--beam-size", "1", "--output", output, "--json"], timeout=120, **kwargs)

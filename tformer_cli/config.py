@@ -156,7 +156,7 @@ class DecodeConfig:
 # The range of each decode setting, for the config check and for the same flags of `eval` and `generate`.
 DECODE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "beam_size": (lambda v: v >= 1, ">= 1"),
-    "length_penalty": (lambda v: 0 <= v < math.inf, ">= 0 and finite (0: no length normalisation)"),  # for the early stop
+    "length_penalty": (lambda v: 0 <= v < math.inf, ">= 0 and finite (0: no length normalisation)"),  # early stop
     "batch_size": (lambda v: v is None or v >= 1, ">= 1 or null"),
     "max_tokens": (lambda v: v is None or v >= 1, ">= 1 or null"),
     "min_len": (lambda v: v >= 0, ">= 0"),

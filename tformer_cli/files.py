@@ -97,7 +97,10 @@ def is_stream(path: Path) -> bool:
     """Whether ``path`` names a stream rather than a file to replace: /dev/stdout, a shell's ``>(...)``
     (/dev/fd/N), a named pipe, a device."""
     path = Path(path)
-    return str(path.absolute()).startswith(("/dev/", "/proc/")) or (path.exists() and not path.is_file())
+    if path.exists() and not path.is_file():
+        return True
+    # an open descriptor, whatever it is open on (a file, after the shell's >)
+    return str(path.absolute()).startswith(("/dev/std", "/dev/fd/", "/proc/"))
 
 
 def write_output(path: Path, text: str) -> None:

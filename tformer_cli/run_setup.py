@@ -14,7 +14,8 @@ import torch
 from tformer_cli.accel import accelerate
 from tformer_cli.config import Config, DataConfig
 from tformer_cli.encoding import (
-    EncodedSplit, cached_vocabulary, encodings_cached, load_encoded, prepare_apart, train_or_load_vocabulary, worth_preparing_apart)
+    EncodedSplit, cached_vocabulary, encodings_cached, load_encoded, prepare_apart, train_or_load_vocabulary,
+    worth_preparing_apart)
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, ConfigError, DataError, first_line, out_of_memory
 from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, compiles, label_smoothed_loss
