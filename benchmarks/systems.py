@@ -79,18 +79,22 @@ def make_batch(size: Size, batch: int, length: int, device: torch.device, seed: 
 
 
 def paper_batches(size: Size, target_tokens: int, count: int, device: torch.device, seed: int = 0) -> list[TrainBatch]:
-    """``count`` training batches as ``tformer train`` makes them at the paper's scale: sentence pairs
-    with lengths drawn like real data (target mean ~27 tokens, a tail past 100; the source within
-    ~15 % of its target), sorted and cut into batches of about ``target_tokens`` padded tokens by
-    tformer's own batching (``batching.token_batches``), ``count`` of them taken from the shuffled order."""
+    """``count`` training batches as ``tformer train`` makes them from a corpus of the paper's size:
+    PAPER_CORPUS sentence pairs with lengths drawn like real data (target mean ~27 tokens, a tail past
+    100; the source within ~15 % of its target), sorted and cut into batches of about ``target_tokens``
+    padded tokens by tformer's own batching (``batching.token_batches``), ``count`` of them taken at
+    evenly spaced points of the length order, short to long, as an epoch meets them. (Cut from a pool of
+    only a few steps' pairs, each batch would span more lengths and pad twice as much.)"""
     from tformer_cli.config import TrainConfig
     from tformer_cli.batching import token_batches
 
     generator = torch.Generator().manual_seed(seed)
-    src_lengths, tgt_lengths = paper_lengths(max(4 * count * target_tokens // 27, 64), generator)
-    batches = []
+    src_lengths, tgt_lengths = paper_lengths(PAPER_CORPUS, generator)
     multiple = TrainConfig().batch_multiple
-    for indices in token_batches(src_lengths, tgt_lengths, target_tokens, seed=seed, multiple=multiple)[:count]:
+    ordered = token_batches(src_lengths, tgt_lengths, target_tokens, shuffle=False, multiple=multiple)
+    picked = [ordered[(2 * k + 1) * len(ordered) // (2 * count)] for k in range(count)]
+    batches = []
+    for indices in picked:
         S, T = max(src_lengths[i] for i in indices), max(tgt_lengths[i] for i in indices)
         src_ids = torch.full((len(indices), S), PAD, dtype=torch.long)
         tgt_ids = torch.full((len(indices), T + 1), PAD, dtype=torch.long)
@@ -123,6 +127,9 @@ def paper_sources(size: Size, sentences: int, max_tokens: int, beams: int, devic
             src[row, lengths[i] - 1] = EOS
         batches.append((src.to(device), longest))
     return batches
+
+
+PAPER_CORPUS = 4_500_000  # sentence pairs: WMT 2014 English-German, the paper's base corpus
 
 
 def paper_lengths(pairs: int, generator: torch.Generator) -> tuple[list[int], list[int]]:
