@@ -52,10 +52,8 @@ def token_batches(src_lengths: list[int], tgt_lengths: list[int], max_tokens: in
                   shuffle: bool = True, rank: int = 0, world_size: int = 1, multiple: int = 1) -> list[list[int]]:
     """Group example indices into batches of at most ``max_tokens`` padded tokens (on the longer side).
 
-    Examples are sorted by their longer side, then by which side that is, then by the other side's
-    length (ties broken randomly per epoch), so that each batch holds pairs whose sources and targets
-    are both of similar lengths and padding stays small (benchmarks/README.md, "Padding"); the batch
-    order is then shuffled from (seed, epoch). A batch into which
+    Examples are sorted by length (ties broken randomly per epoch) so each batch holds similar lengths
+    and padding stays small; the batch order is then shuffled from (seed, epoch). A batch into which
     ``multiple`` examples or more fit holds a multiple of ``multiple`` (the rest start the next batch),
     as fairseq's ``--required-batch-size-multiple``: its products then have row counts (sentences x
     positions) from a smaller set, which on CPUs means fewer kernels for oneDNN to build and keep
@@ -65,12 +63,12 @@ def token_batches(src_lengths: list[int], tgt_lengths: list[int], max_tokens: in
     Sorting is vectorised and each batch's end found by bisection, so that millions of examples take seconds.
     """
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    src, tgt = torch.as_tensor(src_lengths), torch.as_tensor(tgt_lengths)
-    longer = torch.maximum(src, tgt)
-    order = torch.randperm(len(longer), generator=generator) if shuffle else torch.arange(len(longer))
-    for key in (torch.minimum(src, tgt), src < tgt, longer):  # the last is the first key: stable sorts
-        order = order[torch.argsort(key[order], stable=True)]
-    longest = longer[order].tolist()  # ascending: a batch's last example is its longest
+    lengths = torch.maximum(torch.as_tensor(src_lengths, dtype=torch.float64),
+                            torch.as_tensor(tgt_lengths, dtype=torch.float64))  # (n,)
+    if shuffle:  # noise in [0, 1) orders equal lengths at random, never across lengths
+        lengths += torch.rand(lengths.shape, generator=generator, dtype=torch.float64)
+    order = torch.argsort(lengths, stable=True)
+    longest = lengths[order].floor().long().tolist()  # ascending: a batch's last example is its longest
     ends, start, n = [], 0, len(longest)
     while start < n:  # the largest end with longest[end - 1] * (end - start) <= max_tokens; one example at least
         fits = bisect.bisect_right(range(n + 1), max_tokens, lo=start + 1,
