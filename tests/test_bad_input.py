@@ -215,11 +215,11 @@ def _data_cases() -> list[Case]:
              "check data.source", files={"d.jsonl": '{"en": "one", "de": null}\n{"en": "two", "de": " "}\n',
                                          "c.yaml": _config(data={"dataset": None, "data_files": {"train": "{tmp}/d.jsonl"},
                                                                  "validation_split": None})}),
-        Case("data/train/every-pair-too-long", TRAIN, "no train pairs left: all 2 are longer than data.max_length 3 "
-             "tokens (1 more were empty); raise", files={"d.jsonl": '{"en": "one two three four five", "de": "eins"}\n' * 2
+        Case("data/train/every-pair-too-long", TRAIN, "no train pairs left: 2 are longer than data.max_length 3 "
+             "tokens and 1 empty; raise", files={"d.jsonl": '{"en": "one two three four five", "de": "eins"}\n' * 2
                                                          + '{"en": "", "de": "x"}\n', "c.yaml": _config(data={
                  "dataset": None, "data_files": {"train": "{tmp}/d.jsonl"}, "validation_split": None, "max_length": 3})}),
-        Case("data/train/every-validation-pair-too-long", TRAIN, "no validation pairs left: all 2 are longer",
+        Case("data/train/every-validation-pair-too-long", TRAIN, "no validation pairs left: 2 are longer than",
              files={"d/train.jsonl": '{"en": "one", "de": "eins"}\n',
                     "d/validation.jsonl": '{"en": "one two three four", "de": "eins zwei drei vier"}\n' * 2,
                     "c.yaml": _config(data={"dataset": "{tmp}/d", "max_length": 3})}),

@@ -204,8 +204,8 @@ def _nothing_left(split: str, encoded: EncodedSplit, data: DataConfig) -> DataEr
     if encoded.dropped_long == 0:
         return DataError(f"no {split} pairs left: all {encoded.dropped_empty:,} have an empty (or null) "
                          f"{data.source} or {data.target}; check data.source and data.target")
-    empty = f" ({encoded.dropped_empty:,} more were empty)" if encoded.dropped_empty else ""
-    return DataError(f"no {split} pairs left: all {encoded.dropped_long:,} are longer than data.max_length "
+    empty = f" and {encoded.dropped_empty:,} empty" if encoded.dropped_empty else ""
+    return DataError(f"no {split} pairs left: {encoded.dropped_long:,} are longer than data.max_length "
                      f"{data.max_length} tokens{empty}; raise data.max_length or set data.long_pairs: truncate")
 
 
