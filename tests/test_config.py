@@ -153,3 +153,7 @@ def test_bad_config_through_the_cli_is_one_line_per_mistake_and_exit_1(tmp_path)
     assert isinstance(debug.exception, ConfigError)
     device = CliRunner().invoke(app, ["train", "configs/demo.yaml", "--device", "gpu"])
     assert device.exit_code == 1 and device.output == "error: --device gpu: expected auto, cpu or cuda\n"
+    # under torchrun, every process of a machine makes the same mistake: its first process says it
+    for local_rank, said in (("0", True), ("3", False)):
+        result = CliRunner().invoke(app, ["train", str(bad)], env={"LOCAL_RANK": local_rank})
+        assert result.exit_code == 1 and ("not divisible" in result.output) == said, result.output

@@ -19,7 +19,7 @@ from tformer_cli import __version__
 from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
     ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, QuietOpt, RunArg, SetOpt, check_image_name, check_text)
-from tformer_cli.errors import CheckpointError, Interrupted, TformerError, UsageError, out_of_memory
+from tformer_cli.errors import CheckpointError, ConfigError, Interrupted, TformerError, UsageError, out_of_memory
 
 
 class _ErrorBoundary(TyperGroup):
@@ -33,7 +33,10 @@ class _ErrorBoundary(TyperGroup):
                 raise
             from tformer_cli.render import error_lines
 
-            error_lines(str(exc))
+            # a wrong command line or config is the same mistake in every process torchrun starts on a
+            # machine: the first says it, not all eight
+            if not (isinstance(exc, (ConfigError, UsageError)) and os.environ.get("LOCAL_RANK", "0") != "0"):
+                error_lines(str(exc))
             raise typer.Exit(1) from None
         except OSError as exc:  # a file the user named cannot be read or written: no traceback for that
             if exc.filename is None or ctx.params.get("debug"):
