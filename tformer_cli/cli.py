@@ -350,17 +350,16 @@ def count_params(
     from tformer_cli.params import summary
     from tformer_cli.render import param_table, print_json
 
-    given = {("model.d_model", "--d-model"): d_model, ("model.num_heads", "--num-heads"): heads,
-             ("model.d_ff", "--d-ff"): d_ff, ("data.vocab_size", "--vocab-size"): vocab,
-             ("model.share_embeddings", "--share-embeddings"): share,
-             ("model.num_encoder_layers", "--layers"): layers, ("model.num_decoder_layers", "--layers"): layers,
-             ("model.num_encoder_layers", "--encoder-layers"): encoder_layers,
-             ("model.num_decoder_layers", "--decoder-layers"): decoder_layers,
-             ("model.norm", "--norm"): norm, ("model.positional", "--positional"): positional,
-             ("model.max_len", "--max-len"): max_len}
-    given = {key: value for key, value in given.items() if value is not None}
-    sets = [f"{key}={value}" for (key, _), value in given.items()] + list(overrides or [])
-    cfg = load_config(config, sets, flags={key: flag for key, flag in given})
+    flags = [("--d-model", "model.d_model", d_model), ("--num-heads", "model.num_heads", heads),
+             ("--d-ff", "model.d_ff", d_ff), ("--vocab-size", "data.vocab_size", vocab),
+             ("--share-embeddings", "model.share_embeddings", share), ("--layers", "model.num_encoder_layers", layers),
+             ("--layers", "model.num_decoder_layers", layers),  # the two below, where given, come after it
+             ("--encoder-layers", "model.num_encoder_layers", encoder_layers),
+             ("--decoder-layers", "model.num_decoder_layers", decoder_layers), ("--norm", "model.norm", norm),
+             ("--positional", "model.positional", positional), ("--max-len", "model.max_len", max_len)]
+    given = [(flag, key, value) for flag, key, value in flags if value is not None]
+    sets = [f"{key}={value}" for _, key, value in given] + list(overrides or [])
+    cfg = load_config(config, sets, flags={key: flag for flag, key, _ in given})
     vocab_size = cfg.data.vocab_size
     result = summary(cfg.model, vocab_size, vocab_size)
     print_json(result) if json_output else param_table(result)
