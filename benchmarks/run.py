@@ -9,8 +9,9 @@
 `--scale paper` trains as the paper did instead of on one fixed batch of 24-token sentences: steps of
 about 25,000 target tokens (`--paper-tokens`) cut by tformer's own batching from a corpus of WMT 2014's
 size (4.5 M sentence pairs) whose lengths are drawn like real data (mean ~27 tokens, a tail past 100),
-a few different steps (`--paper-steps`, evenly spaced in length order) per repetition, nn.Transformer under torch.compile; decoding translates a test set
-of such lengths (`--paper-sentences`, 3,000) batched by tokens, in sentences/s; sizes base and big.
+a few different steps (`--paper-steps`, evenly spaced in length order) per repetition, nn.Transformer
+under torch.compile; decoding translates a test set of such lengths (`--paper-sentences`, 3,000)
+batched by tokens, in sentences/s; sizes base and big.
 For each workload and size, the systems run alternately in one fresh process, several timed
 repetitions after warm-up; the table gives medians, min-max and tformer's ratio to the best peer.
 Peers: torch's nn.Transformer (a), Hugging Face MarianMTModel (b), x-transformers (c), and for
