@@ -9,6 +9,7 @@ offers: ``train_step(batch)`` (forward, label-smoothed loss, backward, optimizer
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import warnings
 from contextlib import nullcontext
@@ -85,24 +86,16 @@ def paper_batches(size: Size, target_tokens: int, count: int, device: torch.devi
     padded tokens by tformer's own batching (``batching.token_batches``), ``count`` of them taken at
     evenly spaced points of the length order, short to long, as an epoch meets them. (Cut from a pool of
     only a few steps' pairs, each batch would span more lengths and pad twice as much.)"""
-    from tformer_cli.config import TrainConfig
-    from tformer_cli.batching import token_batches
-
     generator = torch.Generator().manual_seed(seed)
-    src_lengths, tgt_lengths = paper_lengths(PAPER_CORPUS, generator)
-    multiple = TrainConfig().batch_multiple
-    ordered = token_batches(src_lengths, tgt_lengths, target_tokens, shuffle=False, multiple=multiple)
-    picked = [ordered[(2 * k + 1) * len(ordered) // (2 * count)] for k in range(count)]
     batches = []
-    for indices in picked:
-        S, T = max(src_lengths[i] for i in indices), max(tgt_lengths[i] for i in indices)
-        src_ids = torch.full((len(indices), S), PAD, dtype=torch.long)
-        tgt_ids = torch.full((len(indices), T + 1), PAD, dtype=torch.long)
-        for row, i in enumerate(indices):
-            src_ids[row, :src_lengths[i]] = torch.randint(4, size.vocab, (src_lengths[i],), generator=generator)
-            src_ids[row, src_lengths[i] - 1] = EOS
-            tgt_ids[row, 1:tgt_lengths[i]] = torch.randint(4, size.vocab, (tgt_lengths[i] - 1,), generator=generator)
-            tgt_ids[row, 0], tgt_ids[row, tgt_lengths[i]] = BOS, EOS
+    for src_lengths, tgt_lengths in _paper_steps(target_tokens, count, seed):
+        src_ids = torch.full((len(src_lengths), max(src_lengths)), PAD, dtype=torch.long)
+        tgt_ids = torch.full((len(tgt_lengths), max(tgt_lengths) + 1), PAD, dtype=torch.long)
+        for row, (S, T) in enumerate(zip(src_lengths, tgt_lengths)):
+            src_ids[row, :S] = torch.randint(4, size.vocab, (S,), generator=generator)
+            src_ids[row, S - 1] = EOS
+            tgt_ids[row, 1:T] = torch.randint(4, size.vocab, (T - 1,), generator=generator)
+            tgt_ids[row, 0], tgt_ids[row, T] = BOS, EOS
         batches.append(TrainBatch.of(src_ids, tgt_ids, device))
     return batches
 
@@ -132,12 +125,30 @@ def paper_sources(size: Size, sentences: int, max_tokens: int, beams: int, devic
 PAPER_CORPUS = 4_500_000  # sentence pairs: WMT 2014 English-German, the paper's base corpus
 
 
+@functools.lru_cache(maxsize=None)
+def _paper_steps(target_tokens: int, count: int, seed: int) -> tuple[tuple[list[int], list[int]], ...]:
+    """The source and target lengths of each of ``paper_batches``' steps: the same at every model size,
+    so the corpus is drawn and cut once a process."""
+    from tformer_cli.batching import token_batches
+    from tformer_cli.config import TrainConfig
+
+    src, tgt = _length_tensors(PAPER_CORPUS, torch.Generator().manual_seed(seed))
+    ordered = token_batches(src, tgt, target_tokens, shuffle=False, multiple=TrainConfig().batch_multiple)
+    picked = [torch.tensor(ordered[(2 * k + 1) * len(ordered) // (2 * count)]) for k in range(count)]
+    return tuple((src[indices].tolist(), tgt[indices].tolist()) for indices in picked)
+
+
 def paper_lengths(pairs: int, generator: torch.Generator) -> tuple[list[int], list[int]]:
     """Source and target lengths in tokens, EOS included, of ``pairs`` sentence pairs drawn like WMT's:
     log-normal targets (mean ~27, ~0.3 % past 100), each source within ~15 % of its target."""
+    src, tgt = _length_tensors(pairs, generator)
+    return src.tolist(), tgt.tolist()
+
+
+def _length_tensors(pairs: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     tgt = torch.exp(3.1 + 0.55 * torch.randn(pairs, generator=generator)).round().clamp(2, 250)
     src = (tgt * torch.exp(0.15 * torch.randn(pairs, generator=generator))).round().clamp(2, 250)
-    return (src.long() + 1).tolist(), (tgt.long() + 1).tolist()
+    return src.long() + 1, tgt.long() + 1
 
 
 def _adam(params, fused: bool):
