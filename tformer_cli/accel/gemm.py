@@ -9,8 +9,10 @@ torch already sends to oneDNN), for small products and off the CPU it is ``F.lin
 
 oneDNN's entry point is torch's ``mkldnn._linear_pointwise`` (behind torch.compile's CPU linear
 layers): x @ w^T for a row-major x and a w of any strides, so a product with a transposed factor
-passes the transpose as a view. Only its first operand is copied when not row-major. Measurements
-behind these choices: benchmarks/README.md.
+passes the transpose as a view. Only its first operand is copied when not row-major. oneDNN compiles
+and keeps a kernel for every shape it meets, so rows are padded with zeros to a few sizes
+(``padded_rows``): a Multi30k epoch's 25 row counts become 7. Measurements behind these choices:
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from tformer_cli.accel.ops import LINEAR_POINTWISE
 
 # Below about a million multiply-adds MKL's smaller call overhead wins (benchmarks/README.md)
 MIN_PRODUCT = 2**20
+# oneDNN compiles and keeps a kernel (~0.6 MB) for every row count it multiplies, and training's batches
+# bring dozens (sentences x positions): rows are padded with zeros to one of 16 sizes per power of two,
+# a multiple of ROW_MULTIPLE at least (``padded_rows``)
+ROW_MULTIPLE = 64
 _enabled = False  # set by ``enable`` (``accelerate`` calls it): fp32 products go to oneDNN
 _recording: set | None = None  # while ``build_kernels`` looks for shapes: the products' signatures
 
@@ -109,33 +115,57 @@ def onednn_applies(*tensors: Tensor) -> bool:
             and not torch.compiler.is_compiling() and _enabled)
 
 
+def padded_rows(n: int) -> int:
+    """n rounded up to a multiple of ROW_MULTIPLE, and of 1/16 of its power of two: at most 6.25 % more
+    rows (1.2 % over Multi30k's batches), and a few row counts, so a few kernels, where training's
+    batches bring dozens."""
+    step = max(ROW_MULTIPLE, 1 << max(0, n.bit_length() - 5))
+    return -(-n // step) * step
+
+
+def _zero_rows_to(x: Tensor, rows: int) -> Tensor:
+    """x (n, k), row-major, with zero rows appended up to ``rows``."""
+    if x.shape[0] == rows:
+        return x.contiguous()
+    padded = x.new_empty(rows, x.shape[1])
+    padded[:x.shape[0]].copy_(x)
+    padded[x.shape[0]:].zero_()
+    return padded
+
+
 class _Linear(torch.autograd.Function):
-    """y = x W^T + b with its three gradients on oneDNN: dx = dy W, dW = dy^T x, db = sum(dy)."""
+    """y = x W^T + b with its three gradients on oneDNN: dx = dy W, dW = dy^T x, db = sum(dy); the rows
+    of x and dy padded with zeros (``padded_rows``), which add nothing to dW."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # noqa: ANN001
-        ctx.save_for_backward(x, weight)
+        rows = x.numel() // x.shape[-1]
+        ctx.save_for_backward(x, weight)  # not a padded copy: another op may keep x for its backward too
         ctx.has_bias = bias is not None
-        return _onednn(x, weight, bias)
+        padded = _zero_rows_to(x.reshape(rows, x.shape[-1]), padded_rows(rows))  # (padded rows, in)
+        return _onednn(padded, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # noqa: ANN001
         x, weight = ctx.saved_tensors
-        grad = grad.contiguous()
+        x = x.reshape(-1, x.shape[-1])  # (rows, in)
+        flat = _zero_rows_to(grad.reshape(x.shape[0], grad.shape[-1]), padded_rows(x.shape[0]))  # (padded, out)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = _onednn(grad, weight.t())  # (..., in)
+            grad_x = _onednn(flat, weight.t())[:x.shape[0]].view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
-            grad_weight = weight_gradient(grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])).contiguous()
+            grad_weight = weight_gradient(flat, x).contiguous()
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0)
+            grad_bias = flat.sum(dim=0)
         return grad_x, grad_weight, grad_bias
 
 
 def weight_gradient(grad: Tensor, x: Tensor) -> Tensor:
-    """grad (N, out)^T @ x (N, in) -> (out, in) on oneDNN. oneDNN wants its first operand row-major, so
-    the smaller of the two is copied transposed: grad^T, or x^T for x^T @ grad, whose (in, out) result
-    comes back as a transposed view (adding it to a gradient costs less than copying it first)."""
+    """grad (N, out)^T @ x (n, in) -> (out, in) on oneDNN, for n <= N: x's missing rows count as zeros
+    (padded rows, ``_Linear``). oneDNN wants its first operand row-major, so the smaller of the two is
+    copied transposed: grad^T, or x^T for x^T @ grad, whose (in, out) result comes back as a
+    transposed view (adding it to a gradient costs less than copying it first)."""
+    x = _zero_rows_to(x, grad.shape[0])  # a row-major copy first: transposed into a slice is 2.5x slower
     if grad.shape[1] < x.shape[1]:
         return _onednn(grad.t().contiguous(), x.t())
     return _onednn(x.t().contiguous(), grad.t()).t()
@@ -153,4 +183,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return _Linear.apply(x, weight, bias)
-    return _onednn(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    padded = _zero_rows_to(x.reshape(rows, x.shape[-1]), padded_rows(rows))
+    return _onednn(padded, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])

@@ -28,7 +28,7 @@ PACKING_BF16 = PACKING and native_on_cpu("bf16")
 # overhead ate the gain); under bf16 autocast, which casts the weight at every call, from smaller ones.
 # Smaller weights are packed too where their unpacked product would run on oneDNN anyway (gemm.py, on
 # AMD CPUs with AVX-512): as fast, and with padded rows they need a few kernels instead of one per row count.
-ROW_MULTIPLE = 8
+ROW_MULTIPLE = 16
 MAX_ROWS = 1024
 MIN_WEIGHT = 2**17
 MIN_WEIGHT_AUTOCAST = 2**16
@@ -131,8 +131,9 @@ def build_decoding_kernels(model: nn.Module, max_rows: int) -> int:
 
 
 def _padded_rows(n: int) -> int:
-    """n rounded up to one of 8 sizes per power of two (multiples of ROW_MULTIPLE at least): few distinct
-    row counts, so few kernels to build, for at most 12.5 % of padding."""
+    """n rounded up to one of 8 sizes per power of two, and to a multiple of ROW_MULTIPLE: few distinct
+    row counts (16 up to 256), so few kernels to build, for at most 12.5 % of padding above 128 rows.
+    Below, where reading the weight bounds a product, the extra rows of a multiple of 16 cost little."""
     step = max(ROW_MULTIPLE, 1 << max(0, n.bit_length() - 4))
     return -(-n // step) * step
 
@@ -154,7 +155,8 @@ def _version(weight: Tensor) -> int | None:
 
 
 class FastFeedForward(nn.Module):
-    """The model's PositionwiseFeedForward with its activation applied by the first product's call."""
+    """The model's PositionwiseFeedForward with its activation applied by the first product's call;
+    training on oneDNN pads the rows once for both products (``gemm.padded_rows``)."""
 
     def __init__(self, ffn: nn.Module) -> None:
         super().__init__()
@@ -163,4 +165,10 @@ class FastFeedForward(nn.Module):
         self.linear2 = FastLinear.of(ffn.linear2)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear2(self.linear1(x))  # (B, T, d_ff) -> (B, T, d_model)
+        rows = x.numel() // x.shape[-1]
+        padded = gemm.padded_rows(rows)
+        if padded == rows or not torch.is_grad_enabled() or not gemm.on_onednn(x, self.linear1.weight):
+            return self.linear2(self.linear1(x))  # (B, T, d_ff) -> (B, T, d_model)
+        # training on oneDNN: the rows padded once for both products, not each product's input apart
+        flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))  # (padded, d_model)
+        return self.linear2(self.linear1(flat))[:rows].view(x.shape)
