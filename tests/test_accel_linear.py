@@ -139,10 +139,11 @@ def test_autocast_packs_smaller_weights_than_fp32(monkeypatch):
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("n, padded", [(1, 16), (16, 16), (61, 64), (130, 144), (500, 512), (1000, 1024)])
+@pytest.mark.parametrize("n, padded", [(1, 8), (8, 8), (61, 64), (130, 144), (500, 512), (1000, 1024)])
 def test_rows_are_padded_to_few_sizes_with_little_waste(n, padded):
     assert linear._padded_rows(n) == padded
-    assert padded - n < max(16, n / 8)
+    assert padded - n < max(8, n / 8)
+    assert linear._padded_rows(n, 16) == max(16, padded)  # training's validation (build_decoding_kernels)
 
 
 @needs_packing
@@ -190,6 +191,7 @@ def test_build_decoding_kernels_covers_every_row_count_up_to_the_batch(capfd):
     layers = torch.nn.Sequential(Linear(37, 211), Linear(211, 37, activation="relu"), Linear(37, 211))
     assert linear.build_decoding_kernels(layers, 40) == 2 * 3  # two layer shapes, rows padded to 16, 32, 48
     assert not any("_packed" in layer.__dict__ for layer in layers)  # the build's packed copies are not kept
+    assert all(layer.row_multiple == linear.VALIDATION_ROW_MULTIPLE for layer in layers)  # validation pads alike
 
     def decode_steps():  # a batch of 40 hypotheses, finishing one by one
         with torch.inference_mode():

@@ -28,7 +28,9 @@ PACKING_BF16 = PACKING and native_on_cpu("bf16")
 # overhead ate the gain); under bf16 autocast, which casts the weight at every call, from smaller ones.
 # Smaller weights are packed too where their unpacked product would run on oneDNN anyway (gemm.py, on
 # AMD CPUs with AVX-512): as fast, and with padded rows they need a few kernels instead of one per row count.
-ROW_MULTIPLE = 16
+ROW_MULTIPLE = 8
+# in training, whose heap keeps every kernel, validation pads to multiples of 16: fewer kernels to build
+VALIDATION_ROW_MULTIPLE = 16
 MAX_ROWS = 1024
 MIN_WEIGHT = 2**17
 MIN_WEIGHT_AUTOCAST = 2**16
@@ -41,6 +43,8 @@ class FastLinear(nn.Linear):
     """``nn.Linear``, optionally followed by an activation (``relu`` or ``gelu``); without autograd on
     a CPU, in fp32 or under bf16 autocast, computed from a oneDNN-packed weight where that pays, with
     the activation applied by the same call. Made from a plain layer by ``of``, sharing its parameters."""
+
+    row_multiple = ROW_MULTIPLE  # rows are padded to a multiple of this; training raises it (build_decoding_kernels)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str | None = None,
                  **kwargs) -> None:
@@ -65,7 +69,7 @@ class FastLinear(nn.Linear):
         small = self.in_features * self.out_features < min_weight
         if dtype is None or n == 0 or n > MAX_ROWS or (small and not gemm.on_onednn(x, self.weight)):
             return self._unpacked(x)
-        padded = _padded_rows(n)
+        padded = _padded_rows(n, self.row_multiple)
         weight, bias = self._packed_weight(dtype, padded)
         attr = self.activation or "none"
         algorithm = "none" if self.activation == "gelu" else ""  # the erf form, as F.gelu
@@ -117,9 +121,11 @@ def build_decoding_kernels(model: nn.Module, max_rows: int) -> int:
     layers: dict[tuple, FastLinear] = {}  # one layer of each shape: oneDNN's kernels are per shape
     for layer in model.modules():
         if isinstance(layer, FastLinear):
+            layer.row_multiple = VALIDATION_ROW_MULTIPLE
             layers.setdefault((layer.in_features, layer.out_features, layer.bias is not None, layer.activation), layer)
     # largest first: the weight is packed for the first row count it meets, as decoding's first, full, batch
-    sizes = sorted({_padded_rows(n) for n in range(1, min(max_rows, MAX_ROWS) + 1)}, reverse=True)
+    sizes = sorted({_padded_rows(n, VALIDATION_ROW_MULTIPLE) for n in range(1, min(max_rows, MAX_ROWS) + 1)},
+                   reverse=True)
     built = 0
     with torch.no_grad(), heap.compact():
         for layer in layers.values():  # each call packs or not as decoding's would (``forward``)
@@ -130,11 +136,11 @@ def build_decoding_kernels(model: nn.Module, max_rows: int) -> int:
     return built
 
 
-def _padded_rows(n: int) -> int:
-    """n rounded up to one of 8 sizes per power of two, and to a multiple of ROW_MULTIPLE: few distinct
-    row counts (16 up to 256), so few kernels to build, for at most 12.5 % of padding above 128 rows.
-    Below, where reading the weight bounds a product, the extra rows of a multiple of 16 cost little."""
-    step = max(ROW_MULTIPLE, 1 << max(0, n.bit_length() - 4))
+def _padded_rows(n: int, multiple: int = ROW_MULTIPLE) -> int:
+    """n rounded up to one of 8 sizes per power of two, and to a multiple of ``multiple``: few distinct
+    row counts (24 up to 256 for multiples of 8, 16 for multiples of 16), so few kernels to build, for
+    at most 12.5 % of padding above 128 rows."""
+    step = max(multiple, 1 << max(0, n.bit_length() - 4))
     return -(-n // step) * step
 
 
