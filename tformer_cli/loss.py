@@ -64,7 +64,7 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
             rows = [slice(start, stop), slice(n + start, n + stop)] if rdrop else [slice(start, stop)]
             h = (hidden[rows[0]] if len(rows) == 1 else torch.cat([hidden[r] for r in rows])).to(compute)
             m = h.shape[0]
-            h = _zero_rows_to(h, _round_up(m, multiple))  # few distinct product shapes (ROW_MULTIPLE)
+            h = gemm.zero_rows_to(h, _round_up(m, multiple))  # few distinct product shapes (ROW_MULTIPLE)
             padded_logits = _project(h, w, buffer)  # (rows, V)
             logits, t = padded_logits[:m], target[rows[0], None]
             terms = fused_loss.fused_smoothed_terms(logits, t, smoothing) if fused else None
@@ -84,7 +84,7 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
                 if grad.data_ptr() == padded_logits.data_ptr():  # made in place: the padding rows follow it
                     grad = padded_logits
                     grad[m:] = 0
-                _backpropagate(_zero_rows_to(grad, h.shape[0]).to(compute), h, w, rows, grad_hidden, grad_weight)
+                _backpropagate(gemm.zero_rows_to(grad, h.shape[0]).to(compute), h, w, rows, grad_hidden, grad_weight)
             logits = padded_logits = grad = None  # not alive while the next chunk's are made
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -103,11 +103,6 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _zero_rows_to(x: Tensor, rows: int) -> Tensor:
-    """x (m, k) with zero rows appended up to ``rows``: they add nothing to the weight gradient."""
-    return x if x.shape[0] == rows else torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
 
 
 def _project(h: Tensor, w: Tensor, buffer: Tensor | None) -> Tensor:

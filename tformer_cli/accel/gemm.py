@@ -115,16 +115,23 @@ def onednn_applies(*tensors: Tensor) -> bool:
             and not torch.compiler.is_compiling() and _enabled)
 
 
-def padded_rows(n: int) -> int:
-    """n rounded up to a multiple of ROW_MULTIPLE, and of 1/16 of its power of two: at most 6.25 % more
-    rows (1.2 % over Multi30k's batches), and a few row counts, so a few kernels, where training's
-    batches bring dozens."""
-    step = max(ROW_MULTIPLE, 1 << max(0, n.bit_length() - 5))
+def rounded_rows(n: int, per_power_of_two: int, multiple: int) -> int:
+    """n rounded up to one of ``per_power_of_two`` (itself a power of two) sizes between powers of two,
+    and to a multiple of ``multiple``: few distinct row counts, so few oneDNN kernels, for at most
+    1/per_power_of_two more rows where ``multiple`` is the smaller step."""
+    step = max(multiple, 1 << max(0, n.bit_length() - per_power_of_two.bit_length()))
     return -(-n // step) * step
 
 
-def _zero_rows_to(x: Tensor, rows: int) -> Tensor:
-    """x (n, k), row-major, with zero rows appended up to ``rows``."""
+def padded_rows(n: int) -> int:
+    """Training's row counts: 16 sizes per power of two, multiples of ROW_MULTIPLE; at most 6.25 % more
+    rows (1.2 % over Multi30k's batches), and a few row counts where training's batches bring dozens."""
+    return rounded_rows(n, 16, ROW_MULTIPLE)
+
+
+def zero_rows_to(x: Tensor, rows: int) -> Tensor:
+    """x (n, k) as a row-major tensor with zero rows appended up to ``rows``: a product's extra rows,
+    which add nothing to a weight gradient."""
     if x.shape[0] == rows:
         return x.contiguous()
     padded = x.new_empty(rows, x.shape[1])
@@ -139,17 +146,15 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # noqa: ANN001
-        rows = x.numel() // x.shape[-1]
         ctx.save_for_backward(x, weight)  # not a padded copy: another op may keep x for its backward too
         ctx.has_bias = bias is not None
-        padded = _zero_rows_to(x.reshape(rows, x.shape[-1]), padded_rows(rows))  # (padded rows, in)
-        return _onednn(padded, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])
+        return _padded_product(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # noqa: ANN001
         x, weight = ctx.saved_tensors
         x = x.reshape(-1, x.shape[-1])  # (rows, in)
-        flat = _zero_rows_to(grad.reshape(x.shape[0], grad.shape[-1]), padded_rows(x.shape[0]))  # (padded, out)
+        flat = zero_rows_to(grad.reshape(x.shape[0], grad.shape[-1]), padded_rows(x.shape[0]))  # (padded, out)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = _onednn(flat, weight.t())[:x.shape[0]].view(*grad.shape[:-1], weight.shape[1])
@@ -165,7 +170,7 @@ def weight_gradient(grad: Tensor, x: Tensor) -> Tensor:
     (padded rows, ``_Linear``). oneDNN wants its first operand row-major, so the smaller of the two is
     copied transposed: grad^T, or x^T for x^T @ grad, whose (in, out) result comes back as a
     transposed view (adding it to a gradient costs less than copying it first)."""
-    x = _zero_rows_to(x, grad.shape[0])  # a row-major copy first: transposed into a slice is 2.5x slower
+    x = zero_rows_to(x, grad.shape[0])  # a row-major copy first: transposed into a slice is 2.5x slower
     if grad.shape[1] < x.shape[1]:
         return _onednn(grad.t().contiguous(), x.t())
     return _onednn(x.t().contiguous(), grad.t()).t()
@@ -183,6 +188,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return _Linear.apply(x, weight, bias)
+    return _padded_product(x, weight, bias)
+
+
+def _padded_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x (..., in) @ weight^T + bias on oneDNN, x's rows padded with zeros (``padded_rows``)."""
     rows = x.numel() // x.shape[-1]
-    padded = _zero_rows_to(x.reshape(rows, x.shape[-1]), padded_rows(rows))
+    padded = zero_rows_to(x.reshape(rows, x.shape[-1]), padded_rows(rows))  # (padded rows, in)
     return _onednn(padded, weight, bias)[:rows].view(*x.shape[:-1], weight.shape[0])

@@ -75,8 +75,7 @@ class FastLinear(nn.Linear):
         algorithm = "none" if self.activation == "gelu" else ""  # the erf form, as F.gelu
         if padded == n:  # the op flattens the leading dimensions itself
             return LINEAR_POINTWISE(x.to(dtype), weight, bias, attr, [], algorithm)
-        rows = x.reshape(n, self.in_features).to(dtype)
-        rows = torch.cat([rows, rows.new_zeros(padded - n, self.in_features)])
+        rows = gemm.zero_rows_to(x.reshape(n, self.in_features).to(dtype), padded)
         out = LINEAR_POINTWISE(rows, weight, bias, attr, [], algorithm)[:n]
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -115,7 +114,9 @@ def build_decoding_kernels(model: nn.Module, max_rows: int) -> int:
     between the training step's buffers and pin the heap around them. A Multi30k run validating every
     150 steps grew at every validation to 1,434 MiB; with this build first it stayed at 1,225-1,249
     (benchmarks/README.md, "Validation's decoding kernels built before training"). Every layer shape
-    is multiplied once at every padded row count, with zeros; the packed copies made for it are dropped."""
+    is multiplied once at every padded row count, with zeros; the packed copies made for it are dropped.
+    The model's layers then pad to multiples of VALIDATION_ROW_MULTIPLE, as built: 16 row counts up to
+    256 instead of 24 (16 everywhere cost beam search at "base" 4 %, so eval and generate keep 8)."""
     if not PACKING or max_rows < 1:
         return 0
     layers: dict[tuple, FastLinear] = {}  # one layer of each shape: oneDNN's kernels are per shape
@@ -137,11 +138,9 @@ def build_decoding_kernels(model: nn.Module, max_rows: int) -> int:
 
 
 def _padded_rows(n: int, multiple: int = ROW_MULTIPLE) -> int:
-    """n rounded up to one of 8 sizes per power of two, and to a multiple of ``multiple``: few distinct
-    row counts (24 up to 256 for multiples of 8, 16 for multiples of 16), so few kernels to build, for
-    at most 12.5 % of padding above 128 rows."""
-    step = max(multiple, 1 << max(0, n.bit_length() - 4))
-    return -(-n // step) * step
+    """Decoding's row counts: 8 sizes per power of two, multiples of ``multiple`` (24 up to 256 for
+    multiples of 8, 16 for multiples of 16), for at most 12.5 % of padding above 128 rows."""
+    return gemm.rounded_rows(n, 8, multiple)
 
 
 def _packed_dtype(x: Tensor) -> torch.dtype | None:
@@ -176,5 +175,5 @@ class FastFeedForward(nn.Module):
         if padded == rows or not torch.is_grad_enabled() or not gemm.on_onednn(x, self.linear1.weight):
             return self.linear2(self.linear1(x))  # (B, T, d_ff) -> (B, T, d_model)
         # training on oneDNN: the rows padded once for both products, not each product's input apart
-        flat = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))  # (padded, d_model)
+        flat = gemm.zero_rows_to(x.reshape(rows, x.shape[-1]), padded)  # (padded, d_model)
         return self.linear2(self.linear1(flat))[:rows].view(x.shape)
