@@ -208,6 +208,10 @@ def _data_cases() -> list[Case]:
              files={"c.yaml": _config(data={"dataset": "./nowhere"})}),
         Case("data/train/dataset-folder-without-data", TRAIN, "a dataset folder holds a file per split",
              files={"c.yaml": _config(data={"dataset": "{tmp}"})}),
+        Case("data/train/dataset-folder-two-formats", TRAIN, "holds split 'train' in 2 formats (train.jsonl, "
+             "train.tsv), of which only one would be read; keep one format there, or choose the files with "
+             "data.data_files", files={"c.yaml": _config(data={"dataset": "{tmp}/d"}),
+                                       "d/train.jsonl": '{"en": "one", "de": "eins"}\n', "d/train.tsv": "two\tzwei\n"}),
         Case("data/train/split-missing", TRAIN, "has no split 'dev'",
              files={"c.yaml": _config(data={"validation_split": "dev"})}),
         Case("data/eval/split-missing", ["eval", "{run}", "--split", "dev"], "has no split 'dev'"),

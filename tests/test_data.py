@@ -111,6 +111,11 @@ def test_tab_separated_pairs_with_or_without_a_header(tmp_path):
     _jsonl(mixed / "train.jsonl", ROWS)
     (mixed / "notes.tsv").write_text("a\tb\n")
     assert load_pairs(DataConfig(dataset=str(mixed), source="de", target="en"), "train") == expected[:len(ROWS)]
+    _jsonl(mixed / "validation.jsonl", ROWS)  # a split in two formats: either would leave the other out
+    (mixed / "validation.tsv").write_text("a\tb\n")
+    with pytest.raises(DataError, match=r"holds split 'validation' in 2 formats \(validation.jsonl, validation.tsv\)"):
+        load_pairs(DataConfig(dataset=str(mixed), source="de", target="en"), "validation")
+    assert load_pairs(DataConfig(dataset=str(mixed), source="de", target="en"), "train") == expected[:len(ROWS)]
 
 
 def test_parallel_text_files_and_nested_fields(tmp_path):

@@ -76,14 +76,8 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
     try:
         if cfg.data_files:
             pairs = _file_pairs(files, fmt, cfg, where)
-        elif tsv := _tsv_split(cfg.dataset, split):  # datasets' folder loader would take a first line for a header
-            _check_files(tsv)
-            pairs = _tsv_pairs(tsv, cfg, where)
         else:
-            splits = _load_named(cfg.dataset, cfg.subset)
-            if split not in splits:
-                raise _missing_split(f"dataset '{cfg.dataset}'", split, list(splits), cfg)
-            pairs = _columns(splits[split], cfg, where)
+            pairs = _named_pairs(cfg, split, where)
     except UnicodeDecodeError as exc:
         raise _not_utf8(where, exc) from None
     if not len(pairs):
@@ -91,6 +85,18 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
     if cfg.max_samples:
         pairs.size = min(pairs.size, cfg.max_samples)
     return pairs
+
+
+def _named_pairs(cfg: DataConfig, split: str, where: str) -> "ArrowPairs":
+    """A split of a hub dataset or a local dataset folder."""
+    _check_one_format(cfg.dataset, split)
+    if tsv := _tsv_split(cfg.dataset, split):  # datasets' folder loader would take a first line for a header
+        _check_files(tsv)
+        return _tsv_pairs(tsv, cfg, where)
+    splits = _load_named(cfg.dataset, cfg.subset)
+    if split not in splits:
+        raise _missing_split(f"dataset '{cfg.dataset}'", split, list(splits), cfg)
+    return _columns(splits[split], cfg, where)
 
 
 class ArrowPairs:
@@ -259,6 +265,29 @@ def _tsv_pairs(files: list[str], cfg: DataConfig, where: str) -> ArrowPairs:
                                   usecols=[0, 1], quoting=csv.QUOTE_NONE, na_filter=False, features=strings))
     pairs = datasets.concatenate_datasets(tables)
     return ArrowPairs(pairs, pairs, cfg.source, cfg.target, where)
+
+
+def _check_one_format(folder: str, split: str) -> None:
+    """Refuse a local dataset folder that holds ``split`` in two formats (train.jsonl and train.tsv, say):
+    ``datasets`` (and the .tsv reader) would read one and silently leave the other out. The split's files
+    are those ``datasets`` assigns to it by name (train.jsonl, data/train-00000.parquet, ...)."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    if not Path(folder).is_dir():
+        return
+    try:
+        files = DataFilesDict.from_patterns(get_data_patterns(folder), base_path=folder).get(split, [])
+    except Exception:  # no files named for a split: the loaders say what is wrong
+        return
+    by_format: dict[str, str] = {}
+    for file in files:
+        fmt = FORMATS.get(Path(file.removesuffix(".gz")).suffix)
+        if fmt:
+            by_format.setdefault(fmt, Path(file).name)
+    if len(by_format) > 1:
+        raise DataError(f"dataset folder '{folder}' holds split '{split}' in {len(by_format)} formats "
+                        f"({', '.join(sorted(by_format.values()))}), of which only one would be read; keep one "
+                        "format there, or choose the files with data.data_files")
 
 
 def _tsv_split(folder: str, split: str) -> list[str]:
