@@ -25,7 +25,9 @@
 # Results go to $RESULTS (default gpu-results/): a log per step, JSON where the step writes some
 # (written after every workload and size, so a step cut off by a time limit keeps what it finished).
 # Multi30k is read from $MULTI30K (default ../shared/data/multi30k); Python is $PYTHON (python3),
-# with the bench extra installed (transformers, x-transformers, ctranslate2) or on PYTHONPATH.
+# with the bench extra installed (transformers, x-transformers, ctranslate2) or on PYTHONPATH. On a
+# machine without internet, carry the wheels that `bash benchmarks/gpu_wheels.sh` fetches (its header
+# says how to install them there); the data travels in a folder named in $MULTI30K.
 # (ctranslate2 4.8's CUDA build loads libcublas.so.12: on a CUDA 13 machine it is skipped.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
