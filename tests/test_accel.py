@@ -124,6 +124,7 @@ def test_int8_weights_decode_like_fp32(trained_run):
     from tformer_cli.cli import app
     from tformer_cli.decoding import translate
     from tformer_cli.runtime import load_run
+    from tformer_cli.tokenizer import PAD_ID
 
     plain, int8 = load_run(trained_run, accel="off"), load_run(trained_run, int8=True)
     linears = [m for m in plain.model.modules() if type(m) is nn.Linear]
@@ -137,11 +138,16 @@ def test_int8_weights_decode_like_fp32(trained_run):
     with torch.no_grad():
         exact, approximate = plain.model(src, tgt), int8.model(src, tgt)
     assert (approximate - exact).abs().max() < 0.05 * exact.abs().max()
+    # the next token each model picks after fp32's own greedy outputs, position by position: whole outputs
+    # of this 30-step model loop on near-ties, where one flipped choice changes all that follows
     texts = [f"{a} hundred {b}" for a in ("one", "two", "five", "nine") for b in ("seven", "twelve", "forty-one")]
-    options = DecodeOptions(max_len_a=0, max_len_b=20)
-    same = sum(a.outputs[0][0] == b.outputs[0][0] for a, b in zip(translate(plain.model, plain.vocab, texts, options),
-                                                                 translate(int8.model, int8.vocab, texts, options)))
-    assert same >= 0.8 * len(texts)
+    greedy = [t.outputs[0][0] for t in translate(plain.model, plain.vocab, texts, DecodeOptions(max_len_a=0, max_len_b=20))]
+    src = pad_sequences(plain.vocab.encode_sources(texts))
+    tgt = pad_sequences(plain.vocab.encode_targets(greedy))
+    with torch.no_grad():
+        picks = [model(src, tgt[:, :-1]).argmax(dim=-1) for model in (plain.model, int8.model)]
+    real = tgt[:, 1:] != PAD_ID
+    assert real.sum() > 50 and (picks[0] == picks[1])[real].float().mean() >= 0.9  # 0.97-0.99 measured
     args = ["eval", str(trained_run), "--split", "validation", "--max-samples", "20", "--beam", "1", "--json"]
     fp32 = json.loads(CliRunner().invoke(app, args).stdout)
     result = CliRunner().invoke(app, args + ["--precision", "int8"])
