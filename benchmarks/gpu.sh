@@ -8,8 +8,8 @@
 # tests   the CUDA tests: kernels against the explicit path, CUDA against the CPU, autocast training,
 #         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one
 # profile where a paper-scale base step's GPU time goes (benchmarks/profile_step.py): eager and compiled
-#         training, a greedy decoding batch a step at a time and as CUDA graphs; kernel time by kind,
-#         how busy the GPU is
+#         training (one graph, and each layer compiled on its own), a greedy decoding batch a step at a
+#         time and as CUDA graphs; kernel time by kind, how busy the GPU is
 # suite   the suite (`benchmarks/run.py --device cuda`: every peer, CTranslate2 among the decoders)
 # paper   `--scale paper`: base and big at ~25,000 target tokens a step, tformer eager and with
 #         train.compile (the GPU default) beside it: paper-train; decoding 3,000 sentences: paper-decode.

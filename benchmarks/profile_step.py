@@ -6,7 +6,8 @@ batches (greedy and beam 4), under torch's profiler.
 
 A greedy batch and a beam-4 batch of the paper-scale decoding workloads are profiled first (on CUDA:
 a step at a time, then as CUDA graphs, under autocast; then with the model held in bf16); then
-training three ways: eager, eager with the speed layer's GPU loss left out (``--accel-skip loss``), and compiled. For each
+training four ways: eager, eager with the speed layer's GPU loss left out (``--accel-skip loss``), compiled,
+and compiled layer by layer (``systems.TformerLayersCompiled``: minutes less compiling). For each
 it prints the wall time a step, the device's kernel time a step and their ratio (how busy the device
 is: well under 1 means it waits for the host), the kernel time by kind (matrix products, attention,
 the loss, elementwise and normalisation, the optimizer), and the ten costliest kernels. Training runs
@@ -210,6 +211,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="different batches, each profiled once")
     parser.add_argument("--sentences", type=int, default=3000, help="the decoding test set, batched as --scale paper does")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled training step")
+    parser.add_argument("--accel", choices=["auto", "off"], default="auto",
+                        help="the speed layer; off: the plain model, as a GPU trains it, on a CPU too")
     parser.add_argument("--no-train", action="store_true", help="profile decoding only")
     parser.add_argument("--no-decode", action="store_true", help="profile training only")
     parser.add_argument("--attention", type=attention_backends, default=[],
@@ -229,7 +232,7 @@ def main() -> None:
     size = systems.SIZES[args.size]
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else nullcontext
     print(f"{size.name} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
-    systems.ACCEL_SKIP = ()
+    systems.ACCEL, systems.ACCEL_SKIP = args.accel, ()
     systems.PRECISION = "bf16" if device.type == "cuda" else "fp32"
     profile_decoding(args, size, device, autocast)
     if args.no_train:
@@ -244,6 +247,7 @@ def main() -> None:
         variants.append(Variant("train, eager, residual stream in bf16", systems.Tformer, bf16_stream=True))
     if not args.no_compile:
         variants.append(Variant("train, compiled (train.compile)", systems.TformerCompiled))
+        variants.append(Variant("train, compiled layer by layer", systems.TformerLayersCompiled))
         variants += [Variant(f"train, compiled, attention by {b.name}", systems.TformerCompiled, attention=b)
                      for b in args.compile_attention]
         if args.bf16_stream:

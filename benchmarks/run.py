@@ -17,7 +17,8 @@ repetitions after warm-up; the table gives medians, min-max and tformer's ratio 
 Peers: torch's nn.Transformer (a), Hugging Face MarianMTModel (b), x-transformers (c), and for
 decoding CTranslate2 in float32 (d) and with int8 weights (e); install them with `pip install -e '.[bench]'`.
 `--peers ct2-int8,tformer-int8` adds tformer's own int8 decoding (CPU) beside them, and
-`tformer-compile` its training with `train.compile: true`; tformer's variants are not counted as peers.
+`tformer-compile` its training with `train.compile: true` (`tformer-compile-layers`: each layer compiled on
+its own, an experiment); tformer's variants are not counted as peers.
 """
 
 from __future__ import annotations
@@ -322,7 +323,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="sentences to translate, greedy and beam (--scale paper)")
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                         help="peers to compare with; also tformer's variants tformer-int8 (--precision int8 "
-                             "decoding, CPU only) and tformer-compile (train.compile: true)")
+                             "decoding, CPU only), tformer-compile (train.compile: true) and "
+                             "tformer-compile-layers (each layer compiled on its own)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=at_least(1), help="timed repetitions (default: 5 on CPU, 11 on CUDA)")
     parser.add_argument("--warmup", type=at_least(0), default=2)

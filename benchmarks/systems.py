@@ -247,6 +247,23 @@ class TformerCompiled(Tformer):
         self.loss = compiled_loss()
 
 
+class TformerLayersCompiled(Tformer):
+    """An experiment against ``train.compile``'s one graph, whose compiling takes minutes on a GPU:
+    each encoder and decoder layer compiled on its own (regional compilation: one graph for each kind
+    of layer, which every layer of that kind replays), the embeddings and the loss eager around them."""
+
+    decodes = False
+
+    def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
+        super().__init__(size, device, fused)
+        self.name = "tformer +compile layers"
+        from tformer_cli.accel import ops
+
+        for layer in (*self.model.encoder.layers, *self.model.decoder.layers):
+            layer.compile(dynamic=True)
+        self.loss = ops.separate_size_symbols(self.loss)  # as compiled_loss: each size a symbol of its own
+
+
 class TformerInt8(Tformer):
     """tformer decoding with int8 weights (``--precision int8``), on a CPU."""
 
@@ -435,11 +452,12 @@ class CTranslate2Int8(CTranslate2):
 
 
 PEERS = {"torch": TorchBuiltin, "marian": Marian, "xtransformers": XTransformers, "ct2": CTranslate2,
-         "ct2-int8": CTranslate2Int8, "tformer-int8": TformerInt8, "tformer-compile": TformerCompiled}
+         "ct2-int8": CTranslate2Int8, "tformer-int8": TformerInt8, "tformer-compile": TformerCompiled,
+         "tformer-compile-layers": TformerLayersCompiled}
 DEFAULT_PEERS = [key for key in PEERS if not key.startswith("tformer")]  # tformer's variants on request
 LIBRARIES = {"tformer": "tformer_cli", "torch": "torch", "marian": "transformers", "xtransformers": "x_transformers",
              "ct2": "ctranslate2", "ct2-int8": "ctranslate2", "tformer-int8": "tformer_cli",
-             "tformer-compile": "tformer_cli"}
+             "tformer-compile": "tformer_cli", "tformer-compile-layers": "tformer_cli"}
 
 
 def at_least(minimum: int):
