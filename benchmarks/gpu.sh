@@ -21,6 +21,8 @@
 # train   `tformer train configs/base.yaml` in bf16 for $MINUTES minutes (default 10) on Multi30k;
 #         prints the run's own median tokens/s, TFLOP/s and MFU and its peak GPU memory; $TRAIN_SET adds a setting
 #         (the run compiles, train.compile: auto; TRAIN_SET=train.compile=false: the eager run)
+# train-start, train-wait   the train step detached from this call, and a later call's wait for it: a
+#         device call lasts at most 10 minutes, and 10 minutes of training with the start-up does not fit
 #
 # Results go to $RESULTS (default gpu-results/): a log per step, JSON where the step writes some
 # (written after every workload and size, so a step cut off by a time limit keeps what it finished).
@@ -30,6 +32,7 @@
 # says how to install them there); the data travels in a folder named in $MULTI30K.
 # (ctranslate2 4.8's CUDA build loads libcublas.so.12: on a CUDA 13 machine it is skipped.)
 set -euo pipefail
+SELF=$(realpath "$0")
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-gpu-results}
 MULTI30K=${MULTI30K:-../shared/data/multi30k}
@@ -122,12 +125,27 @@ print(f"peak GPU memory: {max(r['gpu_peak_mib'] for r in steps):,.0f} MiB (torch
 EOF
 }
 
+train-start() {  # a new session: the device keeps it running when this call returns
+    RESULTS=$RESULTS MINUTES=$MINUTES MULTI30K=$MULTI30K PYTHON=$PYTHON TRAIN_SET=${TRAIN_SET:-} \
+        setsid nohup bash "$SELF" train > /dev/null 2>&1 < /dev/null &
+    echo $! > "$RESULTS/train.pid"
+    echo "training for $MINUTES minutes in the background (pid $!, log $RESULTS/train.log); gpu.sh train-wait waits for it"
+}
+train-wait() {
+    local pid
+    pid=$(cat "$RESULTS/train.pid")
+    while kill -0 "$pid" 2> /dev/null; do sleep 5; done
+    cat "$RESULTS/train.log"
+}
+
 for step in "${@:-tests syncs profile suite paper train}"; do
     for one in $step; do
         case $one in
             tests|syncs|profile|profile-decode|suite|paper|paper-train|paper-decode|train)
                 echo "== $one $(date -u +%H:%M:%S)"; $one 2>&1 | tee "$RESULTS/$one.log" ;;
-            *) echo "unknown step $one: choose from tests syncs profile profile-decode suite paper paper-train paper-decode train" >&2; exit 2 ;;
+            train-start|train-wait) $one ;;
+            *) echo "unknown step $one: choose from tests syncs profile profile-decode suite paper paper-train" \
+                    "paper-decode train train-start train-wait" >&2; exit 2 ;;
         esac
     done
 done
