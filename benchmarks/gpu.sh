@@ -6,7 +6,8 @@
 #                                           profile-decode: profile's decoding half (~40 s)
 #
 # tests   the CUDA tests: kernels against the explicit path, CUDA against the CPU, autocast training,
-#         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one
+#         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one (on a torch
+#         before 2.13, as the GPU image's 2.11, with DDP's renamed argument mapped: compat/sitecustomize.py)
 # profile where a paper-scale base step's GPU time goes (benchmarks/profile_step.py): eager and compiled
 #         training (one graph, and each layer compiled on its own), a greedy decoding batch a step at a
 #         time and as CUDA graphs; kernel time by kind, how busy the GPU is
@@ -43,7 +44,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS"
 
 tests() {
-    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_parallel.py -k "cuda or group_of_one"
+    local compat=""  # a torch older than tformer's range: DDP's forward_sync_buffers mapped (compat/sitecustomize.py)
+    "$PYTHON" -c "import inspect, sys, torch.nn.parallel as p
+sys.exit('forward_sync_buffers' not in inspect.signature(p.DistributedDataParallel.__init__).parameters)" \
+        || compat="$PWD/benchmarks/compat:"
+    PYTHONPATH="$compat$PYTHONPATH" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_parallel.py \
+        -k "cuda or group_of_one"
 }
 
 suite() {
