@@ -42,6 +42,11 @@ def test_overrides_are_typed_by_the_schema():
                                           r"~ and numbers as other types\); put the text in quotes"):
         load_config("configs/small.yaml", ["data.source=yes"])
     assert load_config("configs/small.yaml", ["data.source='yes'"]).data.source == "yes"
+    # a choice spelled as one of YAML's booleans (`train.accel: off`) is that choice, in --set as in a file
+    assert load_config("configs/small.yaml", ["train.accel=off"]).train.accel == "off"
+    with pytest.raises(ConfigError, match=r"train.accel: must be one of 'auto', 'off', got True"):
+        load_config("configs/small.yaml", ["train.accel=on"])
+    assert load_config("configs/small.yaml", ["train.compile=false"]).train.compile is False
 
 
 def test_a_set_item_names_its_own_mistakes_and_reaches_into_mappings(tmp_path):
@@ -105,13 +110,14 @@ def test_all_mistakes_are_reported_together(tmp_path):
 
 def test_extends_merges_sections_and_round_trips(tmp_path):
     child = tmp_path / "child.yaml"
-    (tmp_path / "parent.yaml").write_text("model:\n  d_model: 64\n  num_heads: 2\ntrain:\n  lr: 0.5\n")
+    (tmp_path / "parent.yaml").write_text("model:\n  d_model: 64\n  num_heads: 2\ntrain:\n  lr: 0.5\n  accel: off\n")
     child.write_text("extends: parent.yaml\nmodel:\n  num_heads: 4\n")
     cfg = load_config(child)
     assert (cfg.model.d_model, cfg.model.num_heads, cfg.train.lr, cfg.model.d_ff) == (64, 4, 0.5, 256)
+    assert cfg.train.accel == "off"
     again = tmp_path / "again.yaml"
     again.write_text(to_yaml(cfg))
-    assert load_config(again).model == cfg.model
+    assert load_config(again).model == cfg.model and load_config(again).train == cfg.train
 
 
 def test_yaml_merge_keys_still_read_while_a_key_given_twice_is_refused(tmp_path):

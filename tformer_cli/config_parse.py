@@ -173,6 +173,10 @@ def _suggest(name: str, options: typing.Iterable[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+# the words YAML 1.1 (PyYAML's) reads as false and true, which a choice spelled so arrives as
+_YAML_BOOL_WORDS = {False: ("off", "no", "false", "n"), True: ("on", "yes", "true", "y")}
+
+
 def check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
     """Return (problem or None, value coerced to the hint, e.g. int -> float)."""
     origin = typing.get_origin(hint)
@@ -185,6 +189,8 @@ def check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
     if origin is Literal:
         if any(value == a and type(value) is type(a) for a in args):  # 1 is not true
             return None, value
+        if isinstance(value, bool) and (words := [a for a in args if a in _YAML_BOOL_WORDS[value]]):
+            return None, words[0]  # YAML reads `accel: off` as false: the choice the user wrote
         choices = ", ".join(str(a).lower() if isinstance(a, bool) else repr(a) for a in args)  # as in YAML
         return f"must be one of {choices}, got {brief(value)}{_suggest(str(value), map(str, args))}", value
     if origin is list:
