@@ -70,8 +70,8 @@ paper-decode() {
 }
 paper() { paper-train; paper-decode; }
 
-profile() {
-    "$PYTHON" benchmarks/profile_step.py --device cuda
+profile() {  # $PROFILE_ARGS: more of profile_step.py's options, e.g. --no-decode (training alone)
+    "$PYTHON" benchmarks/profile_step.py --device cuda ${PROFILE_ARGS:-}
 }
 profile-decode() {
     "$PYTHON" benchmarks/profile_step.py --device cuda --no-train
