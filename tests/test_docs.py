@@ -1,4 +1,5 @@
-"""The documents stay true to the code: every config key is documented, and links between them resolve."""
+"""The documents stay true to the code: every config key is documented, every setting they write loads, and
+links between them resolve."""
 
 import dataclasses
 import re
@@ -27,6 +28,24 @@ def test_links_between_the_documents_resolve():
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
             if not target.startswith(("http://", "https://")):
                 assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)} links to missing {target}"
+
+
+def test_every_setting_the_documents_write_loads_as_written():
+    """`train.accel: off` and `--set train.accel=off` in prose are settings a user copies: each must load
+    (YAML read that `off` as false, and the config refused it)."""
+    from tformer_cli.config import load_config
+
+    written = re.compile(r"`((?:model|data|train|decode)\.\w+): ([^`]+)`"  # `train.accel: off`
+                         r"|--set[ =]['\"]?((?:model|data|train|decode)\.[\w.]+)=([^\s`'\"]+)")  # --set train.x=1
+    settings = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]:
+        for match in written.finditer(doc.read_text()):
+            key, value = match.group(1) or match.group(3), match.group(2) or match.group(4)
+            if value not in ("...", "value"):  # placeholders (`--set model.key=value`)
+                settings.add((key, value))
+    assert ("train.accel", "off") in settings and len(settings) > 20
+    for key, value in sorted(settings):
+        load_config(ROOT / "configs" / "demo.yaml", [f"{key}={value}"])  # raises ConfigError, naming it
 
 
 def _blocks(language: str) -> list[str]:
