@@ -116,6 +116,13 @@ def test_tab_separated_pairs_with_or_without_a_header(tmp_path):
     with pytest.raises(DataError, match=r"holds split 'validation' in 2 formats \(validation.jsonl, validation.tsv\)"):
         load_pairs(DataConfig(dataset=str(mixed), source="de", target="en"), "validation")
     assert load_pairs(DataConfig(dataset=str(mixed), source="de", target="en"), "train") == expected[:len(ROWS)]
+    twice = tmp_path / "twice"  # a file beside its gzipped copy: datasets reads both, every pair twice
+    twice.mkdir()
+    _jsonl(twice / "train.jsonl", ROWS)
+    with open(twice / "train.jsonl", "rb") as f, gzip.open(twice / "train.jsonl.gz", "wb") as g:
+        g.write(f.read())
+    with pytest.raises(DataError, match=r"holds both train.jsonl and train.jsonl.gz, which would both be read"):
+        load_pairs(DataConfig(dataset=str(twice), source="de", target="en"), "train")
 
 
 def test_parallel_text_files_and_nested_fields(tmp_path):

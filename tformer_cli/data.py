@@ -269,8 +269,9 @@ def _tsv_pairs(files: list[str], cfg: DataConfig, where: str) -> ArrowPairs:
 
 def _check_one_format(folder: str, split: str) -> None:
     """Refuse a local dataset folder that holds ``split`` in two formats (train.jsonl and train.tsv, say):
-    ``datasets`` (and the .tsv reader) would read one and silently leave the other out. The split's files
-    are those ``datasets`` assigns to it by name (train.jsonl, data/train-00000.parquet, ...)."""
+    ``datasets`` (and the .tsv reader) would read one and silently leave the other out; or a file beside
+    its gzipped copy (train.jsonl and train.jsonl.gz), which ``datasets`` would read both of. The split's
+    files are those ``datasets`` assigns to it by name (train.jsonl, data/train-00000.parquet, ...)."""
     from datasets.data_files import DataFilesDict, get_data_patterns
 
     if not Path(folder).is_dir():
@@ -279,6 +280,11 @@ def _check_one_format(folder: str, split: str) -> None:
         files = DataFilesDict.from_patterns(get_data_patterns(folder), base_path=folder).get(split, [])
     except Exception:  # no files named for a split: the loaders say what is wrong
         return
+    twice = sorted(set(files) & {file.removesuffix(".gz") for file in files if file.endswith(".gz")})
+    if twice:
+        name = Path(twice[0]).name
+        raise DataError(f"dataset folder '{folder}' holds both {name} and {name}.gz, which would both be read "
+                        f"as split '{split}', the same pairs twice; keep one of them")
     by_format: dict[str, str] = {}
     for file in files:
         fmt = FORMATS.get(Path(file.removesuffix(".gz")).suffix)
