@@ -10,7 +10,8 @@
 #         before 2.13, as the GPU image's 2.11, with DDP's renamed argument mapped: compat/sitecustomize.py)
 # profile where a paper-scale base step's GPU time goes (benchmarks/profile_step.py): eager and compiled
 #         training (one graph, and each layer compiled on its own), a greedy decoding batch a step at a
-#         time and as CUDA graphs; kernel time by kind, how busy the GPU is
+#         time and as CUDA graphs; kernel time by kind, how busy the GPU is ($PROFILE_ARGS adds options of
+#         profile_step.py: --no-decode profiles training alone)
 # suite   the suite (`benchmarks/run.py --device cuda`: every peer, CTranslate2 among the decoders)
 # paper   `--scale paper`: base and big at ~25,000 target tokens a step, tformer eager and with
 #         train.compile (the GPU default) beside it: paper-train; decoding 3,000 sentences: paper-decode.
