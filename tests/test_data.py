@@ -116,6 +116,11 @@ def test_tab_separated_pairs_with_or_without_a_header(tmp_path):
     with pytest.raises(DataError, match=r"holds split 'validation' in 2 formats \(validation.jsonl, validation.tsv\)"):
         load_pairs(DataConfig(dataset=str(mixed), source="de", target="en"), "validation")
     assert load_pairs(DataConfig(dataset=str(mixed), source="de", target="en"), "train") == expected[:len(ROWS)]
+    unnamed = tmp_path / "unnamed"  # no file named for a split: the data's format read, a note beside it left
+    unnamed.mkdir()
+    _jsonl(unnamed / "pairs.jsonl", ROWS)
+    (unnamed / "notes.txt").write_text("from tatoeba\n")
+    assert load_pairs(DataConfig(dataset=str(unnamed), source="de", target="en"), "train") == expected[:len(ROWS)]
     twice = tmp_path / "twice"  # a file beside its gzipped copy: datasets reads both, every pair twice
     twice.mkdir()
     _jsonl(twice / "train.jsonl", ROWS)

@@ -89,7 +89,7 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
 
 def _named_pairs(cfg: DataConfig, split: str, where: str) -> "ArrowPairs":
     """A split of a hub dataset or a local dataset folder."""
-    _check_one_format(cfg.dataset, split)
+    _check_split_files(cfg.dataset, split)
     if tsv := _tsv_split(cfg.dataset, split):  # datasets' folder loader would take a first line for a header
         _check_files(tsv)
         return _tsv_pairs(tsv, cfg, where)
@@ -267,30 +267,30 @@ def _tsv_pairs(files: list[str], cfg: DataConfig, where: str) -> ArrowPairs:
     return ArrowPairs(pairs, pairs, cfg.source, cfg.target, where)
 
 
-def _check_one_format(folder: str, split: str) -> None:
-    """Refuse a local dataset folder that holds ``split`` in two formats (train.jsonl and train.tsv, say):
-    ``datasets`` (and the .tsv reader) would read one and silently leave the other out; or a file beside
-    its gzipped copy (train.jsonl and train.jsonl.gz), which ``datasets`` would read both of. The split's
-    files are those ``datasets`` assigns to it by name (train.jsonl, data/train-00000.parquet, ...)."""
-    from datasets.data_files import DataFilesDict, get_data_patterns
+def _check_split_files(folder: str, split: str) -> None:
+    """Refuse a local dataset folder whose files for ``split`` would not be read as they stand: a file
+    beside its gzipped copy (train.jsonl and train.jsonl.gz: ``datasets`` reads both, every pair twice),
+    or files named for the split in two formats (train.jsonl and train.tsv: one is read, the other left
+    out). The split's files are those ``datasets`` assigns to it (train.jsonl, data/train-00000.parquet,
+    ...); in a folder with no file named for a split they are all its files, of which ``datasets`` reads
+    the most common format and leaves the rest (notes.txt beside pairs.jsonl) aside, as it should."""
+    from datasets.data_files import DEFAULT_PATTERNS_ALL, DataFilesDict, get_data_patterns
 
     if not Path(folder).is_dir():
         return
     try:
-        files = DataFilesDict.from_patterns(get_data_patterns(folder), base_path=folder).get(split, [])
-    except Exception:  # no files named for a split: the loaders say what is wrong
+        patterns = get_data_patterns(folder)
+        files = DataFilesDict.from_patterns(patterns, base_path=folder).get(split, [])
+    except FileNotFoundError:  # no data files in it (datasets' EmptyDatasetError): the loaders say so
         return
     twice = sorted(set(files) & {file.removesuffix(".gz") for file in files if file.endswith(".gz")})
     if twice:
         name = Path(twice[0]).name
         raise DataError(f"dataset folder '{folder}' holds both {name} and {name}.gz, which would both be read "
                         f"as split '{split}', the same pairs twice; keep one of them")
-    by_format: dict[str, str] = {}
-    for file in files:
-        fmt = FORMATS.get(Path(file.removesuffix(".gz")).suffix)
-        if fmt:
-            by_format.setdefault(fmt, Path(file).name)
-    if len(by_format) > 1:
+    by_format = {FORMATS.get(Path(file.removesuffix(".gz")).suffix): Path(file).name for file in files}
+    by_format.pop(None, None)  # not data (README.md)
+    if len(by_format) > 1 and patterns != DEFAULT_PATTERNS_ALL:
         raise DataError(f"dataset folder '{folder}' holds split '{split}' in {len(by_format)} formats "
                         f"({', '.join(sorted(by_format.values()))}), of which only one would be read; keep one "
                         "format there, or choose the files with data.data_files")
