@@ -173,8 +173,8 @@ def _suggest(name: str, options: typing.Iterable[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
-# the words YAML 1.1 (PyYAML's) reads as false and true, which a choice spelled so arrives as
-_YAML_BOOL_WORDS = {False: ("off", "no", "false", "n"), True: ("on", "yes", "true", "y")}
+# the words PyYAML reads as false and true (in any case): a choice spelled so arrives as a boolean
+_YAML_BOOL_WORDS = {False: ("off", "no", "false"), True: ("on", "yes", "true")}
 
 
 def check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
