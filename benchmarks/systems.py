@@ -139,8 +139,9 @@ def _paper_steps(target_tokens: int, count: int, seed: int, order: str = "longer
     src, tgt = _length_tensors(PAPER_CORPUS, torch.Generator().manual_seed(seed))
     ranked = torch.arange(len(src))
     if order == "both":  # unshuffled, token_batches keeps this order among equal longer sides (a stable sort)
-        span = int(torch.maximum(src, tgt).max()) + 1
-        ranked = torch.argsort((torch.maximum(src, tgt) * span + tgt) * span + src, stable=True)
+        longer = torch.maximum(src, tgt)
+        span = int(longer.max()) + 1
+        ranked = torch.argsort((longer * span + tgt) * span + src, stable=True)
     ordered = token_batches(src[ranked], tgt[ranked], target_tokens, shuffle=False,
                             multiple=TrainConfig().batch_multiple)
     picked = [ranked[ordered[(2 * k + 1) * len(ordered) // (2 * count)]] for k in range(count)]
