@@ -137,11 +137,15 @@ def _not_utf8(where: str, exc: UnicodeDecodeError) -> DataError:
                      "data to UTF-8, e.g. iconv -t UTF-8")
 
 
+def _format_of_name(path: str | Path) -> str | None:  # train.jsonl.gz: json; README.md: None
+    return FORMATS.get(Path(str(path).removesuffix(".gz")).suffix)
+
+
 def _format_of(files: list[str]) -> str:
     """The format that the first file's extension names; two files without a known extension are a
     source and a target text file, named by their languages as Moses and fairseq name them (train.de,
     train.en)."""
-    formats = [FORMATS.get(next((s for s in reversed(Path(f).suffixes) if s != ".gz"), "")) for f in files]
+    formats = [_format_of_name(f) for f in files]
     if formats[0] is not None:
         return formats[0]
     if len(files) == 2 and not any(formats):
@@ -268,12 +272,10 @@ def _tsv_pairs(files: list[str], cfg: DataConfig, where: str) -> ArrowPairs:
 
 
 def _check_split_files(folder: str, split: str) -> None:
-    """Refuse a local dataset folder whose files for ``split`` would not be read as they stand: a file
-    beside its gzipped copy (train.jsonl and train.jsonl.gz: ``datasets`` reads both, every pair twice),
-    or files named for the split in two formats (train.jsonl and train.tsv: one is read, the other left
-    out). The split's files are those ``datasets`` assigns to it (train.jsonl, data/train-00000.parquet,
-    ...); in a folder with no file named for a split they are all its files, of which ``datasets`` reads
-    the most common format and leaves the rest (notes.txt beside pairs.jsonl) aside, as it should."""
+    """Refuse a local dataset folder whose files for ``split`` (as ``datasets`` assigns them) would not be
+    read as they stand: a file beside its .gz copy (both read), or files named for the split in two formats
+    (one left out). In a folder with no file named for a split, ``datasets`` reads the most common format
+    and leaves the rest aside (notes.txt beside pairs.jsonl), as it should."""
     from datasets.data_files import DEFAULT_PATTERNS_ALL, DataFilesDict, get_data_patterns
 
     if not Path(folder).is_dir():
@@ -288,8 +290,7 @@ def _check_split_files(folder: str, split: str) -> None:
         name = Path(twice[0]).name
         raise DataError(f"dataset folder '{folder}' holds both {name} and {name}.gz, which would both be read "
                         f"as split '{split}', the same pairs twice; keep one of them")
-    by_format = {FORMATS.get(Path(file.removesuffix(".gz")).suffix): Path(file).name for file in files}
-    by_format.pop(None, None)  # not data (README.md)
+    by_format = {fmt: Path(file).name for file in files if (fmt := _format_of_name(file))}  # README.md: none
     if len(by_format) > 1 and patterns != DEFAULT_PATTERNS_ALL:
         raise DataError(f"dataset folder '{folder}' holds split '{split}' in {len(by_format)} formats "
                         f"({', '.join(sorted(by_format.values()))}), of which only one would be read; keep one "
@@ -305,7 +306,7 @@ def _tsv_split(folder: str, split: str) -> list[str]:
     found = [path for path in (Path(folder) / f"{split}.tsv", Path(folder) / f"{split}.tsv.gz") if path.is_file()]
     if found:
         return [str(found[0])]
-    formats = {path.name: FORMATS.get(Path(path.name.removesuffix(".gz")).suffix) for path in Path(folder).iterdir()}
+    formats = {path.name: _format_of_name(path.name) for path in Path(folder).iterdir()}
     tsv = sorted(name for name, fmt in formats.items() if fmt == "tsv")
     if tsv and set(formats.values()) <= {"tsv", None}:
         raise DataError(f"dataset folder '{folder}' has no {split}.tsv (has: {', '.join(tsv)}); add it, or set "
