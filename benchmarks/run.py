@@ -96,14 +96,19 @@ def _systems(size, device, peers: list[str], train: bool) -> list:
     return systems
 
 
-def _alternate(systems, operation, work: float, device, repeats: int, warmup: int) -> dict[str, list[float]]:
-    """Time ``operation(system)`` for each system in turn; return work/second per repetition."""
-    working = []
+def _alternate(systems, operation, work: float, device, repeats: int,
+               warmup: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Time ``operation(system)`` for each system in turn; return work/second per repetition, and the
+    seconds each system's warm-up took (compiling included)."""
+    working, warmup_s = [], {}
     for system in systems:
         try:
+            start = _now(device)
             for _ in range(warmup):
                 with _autocast(device):
                     operation(system)
+            warmup_s[system.name] = _now(device) - start
+            print(f"{system.name}: warmed up in {warmup_s[system.name]:.1f} s", file=sys.stderr)
             working.append(system)
         except RuntimeError as error:  # e.g. nn.Transformer's inference fast path under CPU bf16 autocast
             print(f"skipping {system.name}: {str(error).splitlines()[0]}", file=sys.stderr)
@@ -114,7 +119,7 @@ def _alternate(systems, operation, work: float, device, repeats: int, warmup: in
             with _autocast(device):
                 operation(system)
             rates[system.name].append(work / (_now(device) - start))
-    return rates
+    return rates, warmup_s
 
 
 def train_flops_per_step(size_name: str, target_tokens: int, src_per_tgt: float = 1.0) -> float:
@@ -143,7 +148,7 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
         batches = train_batches(size, device, train_batch)
         target = sum(b.target_tokens for b in batches)
         src_per_tgt = sum(int((b.src != PAD).sum()) for b in batches) / target
-        rates = _alternate(contenders, lambda s: [s.train_step(b) for b in batches], target, device, repeats, warmup)
+        rates, warmup_s = _alternate(contenders, lambda s: [s.train_step(b) for b in batches], target, device, repeats, warmup)
         unit, flops = "target tok/s", train_flops_per_step(size, 1, src_per_tgt)
     else:
         batch_size, beams = (64, 1) if workload == "greedy" else (16, 4)
@@ -160,12 +165,12 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
         def op(system):
             for src, new_tokens in batches:
                 system.greedy(src, new_tokens) if beams == 1 else system.beam(src, new_tokens, beams)
-        rates = _alternate(contenders, op, work, device, repeats, warmup)
+        rates, warmup_s = _alternate(contenders, op, work, device, repeats, warmup)
         flops = None
     records = []
     for name, values in rates.items():
         record = {"workload": workload, "size": size, "system": name, "median": statistics.median(values),
-                  "min": min(values), "max": max(values), "unit": unit}
+                  "min": min(values), "max": max(values), "unit": unit, "warmup_s": warmup_s[name]}
         if flops:
             record["mfu"] = record["median"] * flops / peak
         records.append(record)
