@@ -211,9 +211,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="different batches, each profiled once")
     parser.add_argument("--sentences", type=int, default=3000, help="the decoding test set, batched as --scale paper does")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled training step")
-    parser.add_argument("--paper-order", choices=["longer", "both"], default="longer",
-                        help="training's batches cut from the corpus ordered by its longer side (as tformer train "
-                             "does) or by both sides (an experiment: benchmarks/run.py --paper-order)")
     parser.add_argument("--accel", choices=["auto", "off"], default="auto",
                         help="the speed layer; off: the plain model, as a GPU trains it, on a CPU too")
     parser.add_argument("--no-train", action="store_true", help="profile decoding only")
@@ -235,7 +232,7 @@ def main() -> None:
     size = systems.SIZES[args.size]
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else nullcontext
     print(f"{size.name} on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
-    systems.ACCEL, systems.ACCEL_SKIP, systems.PAPER_ORDER = args.accel, (), args.paper_order
+    systems.ACCEL, systems.ACCEL_SKIP = args.accel, ()
     systems.PRECISION = "bf16" if device.type == "cuda" else "fp32"
     profile_decoding(args, size, device, autocast)
     if args.no_train:

@@ -193,7 +193,7 @@ def run_speed_fresh(workload: str, size: str, args: argparse.Namespace, peers: l
 def _scale_flags(args: argparse.Namespace) -> list[str]:
     """--scale and its sizes, for the fresh processes."""
     return ["--scale", args.scale, "--paper-tokens", str(args.paper_tokens), "--paper-steps", str(args.paper_steps),
-            "--paper-sentences", str(args.paper_sentences), "--paper-order", args.paper_order]
+            "--paper-sentences", str(args.paper_sentences)]
 
 
 def _process_settings() -> None:
@@ -324,9 +324,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="suite: one fixed batch of 24-token sentences a step; paper: real lengths, 25k tokens a step")
     parser.add_argument("--paper-tokens", type=at_least(64), default=25_000, help="target tokens a step (--scale paper)")
     parser.add_argument("--paper-steps", type=at_least(1), default=6, help="different steps a repetition (--scale paper)")
-    parser.add_argument("--paper-order", choices=["longer", "both"], default="longer",
-                        help="the corpus ordered by its longer side before it is cut, as tformer train does, or "
-                             "both: then by target and source length (an experiment; --scale paper)")
     parser.add_argument("--paper-sentences", type=at_least(1), default=3000,
                         help="sentences to translate, greedy and beam (--scale paper)")
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
@@ -370,7 +367,6 @@ def main(argv: list[str] | None = None) -> None:
     global PAPER, PEER_ADAMW
     PEER_ADAMW = args.peer_adamw
     PAPER = (args.paper_tokens, args.paper_steps, args.paper_sentences) if paper else None
-    systems.PAPER_ORDER = args.paper_order
     systems.ACCEL = args.accel
     systems.ACCEL_SKIP = tuple(piece for piece in args.accel_skip.split(",") if piece)
     if args.probe_memory:

@@ -47,10 +47,6 @@ SIZES = {
     "host": Size("host", 64, 6, 8, 128, 1000),
 }
 COMPILE_PEERS = False  # torch.compile nn.Transformer (benchmarks/run.py --scale paper: peers at their best)
-# how paper_batches' corpus is ordered before it is cut (benchmarks/run.py --paper-order): "longer", by the
-# longer side as tformer train orders it, or "both", among equal longer sides by target then source
-# length (an experiment, not adopted: benchmarks/README.md, "Both sides ordered")
-PAPER_ORDER = "longer"
 PRECISION = "fp32"  # the suite's precision (benchmarks/run.py --precision): CTranslate2 computes in it too
 HOLD_FOR_DECODING = True  # tformer decodes as `tformer eval` does: in bf16 on a GPU, the model held in bf16
 
@@ -92,7 +88,7 @@ def paper_batches(size: Size, target_tokens: int, count: int, device: torch.devi
     only a few steps' pairs, each batch would span more lengths and pad twice as much.)"""
     generator = torch.Generator().manual_seed(seed)
     batches = []
-    for src_lengths, tgt_lengths in _paper_steps(target_tokens, count, seed, PAPER_ORDER):
+    for src_lengths, tgt_lengths in _paper_steps(target_tokens, count, seed):
         src_ids = torch.full((len(src_lengths), max(src_lengths)), PAD, dtype=torch.long)
         tgt_ids = torch.full((len(tgt_lengths), max(tgt_lengths) + 1), PAD, dtype=torch.long)
         for row, (S, T) in enumerate(zip(src_lengths, tgt_lengths)):
@@ -130,21 +126,15 @@ PAPER_CORPUS = 4_500_000  # sentence pairs: WMT 2014 English-German, the paper's
 
 
 @functools.lru_cache(maxsize=None)
-def _paper_steps(target_tokens: int, count: int, seed: int, order: str = "longer") -> tuple[tuple[list[int], list[int]], ...]:
-    """The source and target lengths of each of ``paper_batches``' steps, the corpus ordered as ``order``
-    (PAPER_ORDER) says: the same at every model size, so the corpus is drawn and cut once a process."""
+def _paper_steps(target_tokens: int, count: int, seed: int) -> tuple[tuple[list[int], list[int]], ...]:
+    """The source and target lengths of each of ``paper_batches``' steps: the same at every model size,
+    so the corpus is drawn and cut once a process."""
     from tformer_cli.batching import token_batches
     from tformer_cli.config import TrainConfig
 
     src, tgt = _length_tensors(PAPER_CORPUS, torch.Generator().manual_seed(seed))
-    ranked = torch.arange(len(src))
-    if order == "both":  # unshuffled, token_batches keeps this order among equal longer sides (a stable sort)
-        longer = torch.maximum(src, tgt)
-        span = int(longer.max()) + 1
-        ranked = torch.argsort((longer * span + tgt) * span + src, stable=True)
-    ordered = token_batches(src[ranked], tgt[ranked], target_tokens, shuffle=False,
-                            multiple=TrainConfig().batch_multiple)
-    picked = [ranked[ordered[(2 * k + 1) * len(ordered) // (2 * count)]] for k in range(count)]
+    ordered = token_batches(src, tgt, target_tokens, shuffle=False, multiple=TrainConfig().batch_multiple)
+    picked = [ordered[(2 * k + 1) * len(ordered) // (2 * count)] for k in range(count)]
     return tuple((src[indices].tolist(), tgt[indices].tolist()) for indices in picked)
 
 

@@ -93,27 +93,6 @@ def test_paper_scale_batches_have_real_lengths_and_the_papers_tokens_a_step():
         assert ((b.src == EOS).sum(dim=1) == 1).all() and (b.src[:, 0] != PAD).all()
 
 
-def test_paper_scale_batches_ordered_by_both_sides_pad_less(monkeypatch):
-    """--paper-order both (an experiment): the corpus ordered by the longer side, then target, then source
-    length before it is cut, so that each side pads little, not only the longer one."""
-    sys.path.insert(0, str(RUN.parent))
-    import systems
-    import torch
-
-    def real_share(batches, side):
-        return sum(int((getattr(b, side) != systems.PAD).sum()) for b in batches) / \
-            sum(getattr(b, side).numel() for b in batches)
-
-    shares = {}
-    for order in ("longer", "both"):
-        monkeypatch.setattr(systems, "PAPER_ORDER", order)
-        batches = systems.paper_batches(systems.SIZES["small"], 25_000, 6, torch.device("cpu"))
-        assert all(b.src.numel() <= 25_000 and b.tgt_out.numel() <= 25_000 for b in batches)
-        shares[order] = [real_share(batches, side) for side in ("src", "tgt_out")]
-    assert all(0.93 < share < 0.96 for share in shares["longer"])  # 95.0 % and 94.1 % of the tokens computed
-    assert all(share > 0.99 for share in shares["both"])  # 99.7 % and 99.6 %
-
-
 def test_paper_scale_decoding_translates_a_test_set_batched_by_tokens():
     sys.path.insert(0, str(RUN.parent))
     import torch
