@@ -18,7 +18,10 @@ torch's attention held to each of those kernels (``torch.nn.attention.sdpa_kerne
 ``--compile-attention math`` the compiled step so (math: inductor fuses the explicit softmax), and
 ``--inductor coordinate_descent_tuning=true`` compiles once more with those inductor settings, and
 ``--bf16-stream`` trains eager and compiled with the residual stream in bf16 (each embedding's and layer
-norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32). For decoding,
+norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32). On a GPU each compiled
+variant compiles for minutes as one graph: ``--experiments-compile layers`` compiles the experiments
+layer by layer instead (to compare with the ``layers`` baseline), and ``--baselines`` picks which of
+the four standard variants run (eager, unfused, compiled, layers), e.g. ``--baselines eager,layers``. For decoding,
 ``--direct-capture`` records the CUDA graphs without ``torch.cuda.graph``'s device synchronisation and
 emptying of the allocator's device and pinned-host caches before each recording (one per batch).
 """
@@ -113,6 +116,23 @@ class Variant(NamedTuple):
     attention: SDPBackend | None = None  # the one kernel torch's attention is held to
     inductor: dict | None = None  # inductor settings to compile under
     bf16_stream: bool = False  # the residual stream in bf16
+
+
+BASELINES = {  # the standard training variants (--baselines)
+    "eager": Variant("train, eager", systems.Tformer),
+    "unfused": Variant("train, eager, the loss unfused", systems.Tformer, skip=("loss",)),
+    "compiled": Variant("train, compiled (train.compile)", systems.TformerCompiled),
+    "layers": Variant("train, compiled layer by layer", systems.TformerLayersCompiled),
+}
+
+
+def baseline_names(text: str) -> list[str]:
+    """"eager,compiled" -> those of BASELINES."""
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in BASELINES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {','.join(unknown)}: choose from {', '.join(BASELINES)}")
+    return names
 
 
 def inductor_settings(text: str) -> dict[str, object]:
@@ -225,6 +245,11 @@ def main() -> None:
                         help="decoding also with its CUDA graphs recorded without emptying the allocator's caches")
     parser.add_argument("--bf16-stream", action="store_true",
                         help="eager and compiled variants with the residual stream in bf16")
+    parser.add_argument("--baselines", type=baseline_names, default=list(BASELINES),
+                        help=f"which of the standard training variants run (default all: {','.join(BASELINES)})")
+    parser.add_argument("--experiments-compile", choices=["graph", "layers"], default="graph",
+                        help="how the compiled experiments compile: one graph, as train.compile, or layer by layer "
+                             "(minutes less on a GPU; compare them with the 'layers' baseline)")
     args = parser.parse_args()
     if args.bf16_stream and args.device != "cuda":
         parser.error("--bf16-stream: training runs under bf16 autocast on CUDA only")
@@ -240,22 +265,21 @@ def main() -> None:
     batches = systems.paper_batches(size, args.tokens, args.steps, device)
     print(f"\ntraining: {len(batches)} batches, {sum(b.target_tokens for b in batches) // len(batches):,} target "
           "tokens each on average")
-    variants = [Variant("train, eager", systems.Tformer),
-                Variant("train, eager, the loss unfused", systems.Tformer, skip=("loss",))]
+    variants = [BASELINES[name] for name in args.baselines
+                if not (args.no_compile and BASELINES[name].system is not systems.Tformer)]
     variants += [Variant(f"train, eager, attention by {b.name}", systems.Tformer, attention=b) for b in args.attention]
     if args.bf16_stream:
         variants.append(Variant("train, eager, residual stream in bf16", systems.Tformer, bf16_stream=True))
+    compiled, how = ((systems.TformerCompiled, "compiled") if args.experiments_compile == "graph"
+                     else (systems.TformerLayersCompiled, "compiled layer by layer"))
     if not args.no_compile:
-        variants.append(Variant("train, compiled (train.compile)", systems.TformerCompiled))
-        variants.append(Variant("train, compiled layer by layer", systems.TformerLayersCompiled))
-        variants += [Variant(f"train, compiled, attention by {b.name}", systems.TformerCompiled, attention=b)
+        variants += [Variant(f"train, {how}, attention by {b.name}", compiled, attention=b)
                      for b in args.compile_attention]
         if args.bf16_stream:
-            variants.append(Variant("train, compiled, residual stream in bf16", systems.TformerCompiled,
-                                    bf16_stream=True))
+            variants.append(Variant(f"train, {how}, residual stream in bf16", compiled, bf16_stream=True))
     if args.inductor:
         settings = ", ".join(f"{key}={value}" for key, value in args.inductor.items())
-        variants.append(Variant(f"train, compiled with {settings}", systems.TformerCompiled, inductor=args.inductor))
+        variants.append(Variant(f"train, {how} with {settings}", compiled, inductor=args.inductor))
     for variant in variants:
         systems.ACCEL_SKIP = variant.skip
         system = variant.system(size, device)
