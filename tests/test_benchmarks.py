@@ -26,6 +26,7 @@ def test_one_run_writes_medians_and_the_ratio_to_the_peer(tmp_path):
         assert ours["min"] <= ours["median"] <= ours["max"]
         assert ours["ratio_vs_best_peer"] == pytest.approx(ours["median"] / best)
     assert 0 < records[("train", "tformer")]["mfu"] < 1
+    assert all(0 <= r["warmup_s"] < 0.1 for r in records.values())  # the warm-up's time alone: none asked for
 
 
 def test_an_unknown_workload_or_size_is_a_one_line_error():
