@@ -63,10 +63,12 @@ suite() {
 }
 
 # The peers train with fused AdamW only (their best; $PEER_ADAMW=both adds plain AdamW, twice the time);
-# $PAPER_PEERS replaces the list (each compiled system compiles for minutes, in the memory probes again).
+# $PAPER_PEERS replaces the list (each compiled system compiles for minutes, in the memory probes again),
+# and $PAPER_WORKLOADS=train or memory runs one half (at base on an H100 each half takes minutes).
 paper-train() {
-    "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads train,memory --sizes "$SIZES" \
-        --json "$RESULTS/paper-train-${SIZES/,/-}.json" --peers "${PAPER_PEERS:-torch,marian,xtransformers,tformer-compile}" \
+    local workloads=${PAPER_WORKLOADS:-train,memory}
+    "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads "$workloads" --sizes "$SIZES" \
+        --json "$RESULTS/paper-${workloads/,/-}-${SIZES/,/-}.json" --peers "${PAPER_PEERS:-torch,marian,xtransformers,tformer-compile}" \
         --peer-adamw "${PEER_ADAMW:-fused}"
 }
 # Decoding 3,000 sentences takes seconds to minutes a system, so it gets 3 timed repetitions, and the
