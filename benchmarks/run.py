@@ -148,7 +148,8 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
         batches = train_batches(size, device, train_batch)
         target = sum(b.target_tokens for b in batches)
         src_per_tgt = sum(int((b.src != PAD).sum()) for b in batches) / target
-        rates, warmup_s = _alternate(contenders, lambda s: [s.train_step(b) for b in batches], target, device, repeats, warmup)
+        rates, warmup_s = _alternate(contenders, lambda s: [s.train_step(b) for b in batches], target, device,
+                                     repeats, warmup)
         unit, flops = "target tok/s", train_flops_per_step(size, 1, src_per_tgt)
     else:
         batch_size, beams = (64, 1) if workload == "greedy" else (16, 4)
