@@ -261,7 +261,7 @@ class TformerLayersCompiled(Tformer):
 
         for layer in (*self.model.encoder.layers, *self.model.decoder.layers):
             layer.compile(dynamic=True)
-        self.loss = ops.separate_size_symbols(self.loss)  # as compiled_loss: each size a symbol of its own
+        self.loss = ops.dynamic_sizes_only(self.loss)  # as compiled_loss: each size a symbol of its own
 
 
 class TformerInt8(Tformer):

@@ -155,13 +155,15 @@ def test_int8_weights_decode_like_fp32(trained_run):
     assert json.loads(result.stdout)["loss"] == pytest.approx(fp32["loss"], rel=0.05)
 
 
-def test_separate_size_symbols_applies_to_its_own_calls_only(monkeypatch):
+def test_dynamic_sizes_only_applies_to_its_own_calls_only(monkeypatch):
     from tformer_cli.accel import ops
 
     seen = []
-    wrapped = ops.separate_size_symbols(lambda x: seen.append(ops._FX_CONFIG.use_duck_shape) or x + 1)
-    assert wrapped(1) == 2 and seen == [False]
-    assert ops._FX_CONFIG.use_duck_shape  # torch's default, for every other compilation
+    wrapped = ops.dynamic_sizes_only(lambda x: seen.append((ops._FX_CONFIG.use_duck_shape,
+                                                            torch._dynamo.config.specialize_float)) or x + 1)
+    assert wrapped(1) == 2 and seen == [(False, True)]
+    # torch's defaults, for every other compilation
+    assert ops._FX_CONFIG.use_duck_shape and not torch._dynamo.config.specialize_float
     monkeypatch.setattr(ops, "_FX_CONFIG", None)  # a torch without the setting: the function as it is
     with pytest.warns(UserWarning, match="has no use_duck_shape: torch.compile may compile the model twice"):
-        assert ops.separate_size_symbols(abs) is abs
+        assert ops.dynamic_sizes_only(abs) is abs

@@ -217,6 +217,7 @@ def test_train_compiles_the_model_and_leaves_the_fused_loss_to_its_own_kernel(rd
     from tformer_cli.batching import Batch
     from tformer_cli.evaluation import compiled_loss, label_smoothed_loss
     from tformer_cli.model import build_model
+    from torch._dynamo.utils import counters
 
     inside_graph = []  # whether each call of the fused terms was being traced into a compiled graph
     monkeypatch.setattr(fused_loss, "_compiled", lambda *args: inside_graph.append(torch.compiler.is_compiling())
@@ -226,6 +227,7 @@ def test_train_compiles_the_model_and_leaves_the_fused_loss_to_its_own_kernel(rd
     src[1, 6:], tgt[2, 5:] = 0, 0
     batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
     results = []
+    counters.clear()
     for loss_fn in (label_smoothed_loss, compiled_loss()):
         loss, nll = loss_fn(model, batch, 0.1, rdrop)
         loss.backward()
@@ -233,6 +235,7 @@ def test_train_compiles_the_model_and_leaves_the_fused_loss_to_its_own_kernel(rd
         model.zero_grad()
     (loss, nll, grads), (eager_loss, eager_nll, eager_grads) = results[1], results[0]
     assert inside_graph == ([] if rdrop else [False, False])  # eager, then after the compiled model: outside it
+    assert counters["aot_autograd"]["total"] == 1  # traced once: its floats constants from the start, not on a retry
     torch.testing.assert_close((loss, nll), (eager_loss, eager_nll))
     for ours, eager in zip(grads, eager_grads):
         torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-6)

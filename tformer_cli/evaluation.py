@@ -70,7 +70,7 @@ def compiled_loss() -> Callable[..., tuple[Tensor, Tensor]]:
     """``label_smoothed_loss`` as ``train.compile`` runs it: the encoder and decoder under torch.compile
     (one graph, dynamic shapes, each size a symbol of its own), the hand-fused loss eager after it.
     Traced, the loss's chunk loop would recompile for every batch's token count."""
-    hidden = ops.separate_size_symbols(torch.compile(real_hidden, dynamic=True))
+    hidden = ops.dynamic_sizes_only(torch.compile(real_hidden, dynamic=True))
 
     def loss(model: torch.nn.Module, batch: Batch, smoothing: float, rdrop: float = 0.0) -> tuple[Tensor, Tensor]:
         return _fused_loss(model, batch, hidden(model, batch, rdrop), smoothing, rdrop)
