@@ -134,7 +134,7 @@ def _paper_steps(target_tokens: int, count: int, seed: int) -> tuple[tuple[list[
 
     src, tgt = _length_tensors(PAPER_CORPUS, torch.Generator().manual_seed(seed))
     ordered = token_batches(src, tgt, target_tokens, shuffle=False, multiple=TrainConfig().batch_multiple)
-    picked = [ordered[(2 * k + 1) * len(ordered) // (2 * count)] for k in range(count)]
+    picked = [torch.tensor(ordered[(2 * k + 1) * len(ordered) // (2 * count)]) for k in range(count)]
     return tuple((src[indices].tolist(), tgt[indices].tolist()) for indices in picked)
 
 
