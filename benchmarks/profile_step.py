@@ -265,8 +265,9 @@ def main() -> None:
     batches = systems.paper_batches(size, args.tokens, args.steps, device)
     print(f"\ntraining: {len(batches)} batches, {sum(b.target_tokens for b in batches) // len(batches):,} target "
           "tokens each on average")
-    variants = [BASELINES[name] for name in args.baselines
-                if not (args.no_compile and BASELINES[name].system is not systems.Tformer)]
+    variants = [BASELINES[name] for name in args.baselines]
+    if args.no_compile:  # the eager baselines only
+        variants = [variant for variant in variants if variant.system is systems.Tformer]
     variants += [Variant(f"train, eager, attention by {b.name}", systems.Tformer, attention=b) for b in args.attention]
     if args.bf16_stream:
         variants.append(Variant("train, eager, residual stream in bf16", systems.Tformer, bf16_stream=True))
