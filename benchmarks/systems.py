@@ -310,7 +310,13 @@ class TorchBuiltin(System):
         self.model = _BuiltinModel(size).to(device)
         self.optimizer = _adam(self.model.parameters(), fused)
         self.vocab = size.vocab
-        self.forward = torch.compile(self.model) if COMPILE_PEERS else self.model
+        self.forward = self.model
+        if COMPILE_PEERS:
+            # as train.compile compiles tformer: dynamic shapes from the first batch, each size a symbol of
+            # its own (torch.compile's default, a static graph and then a dynamic one, took 1.5x as long to
+            # compile: benchmarks/README.md, "The peer compiled once")
+            from tformer_cli.accel import ops
+            self.forward = ops.dynamic_sizes_only(torch.compile(self.model, dynamic=True))
 
     def logits(self, batch):
         return self.forward(batch.src, batch.tgt_in)
