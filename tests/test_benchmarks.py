@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -131,6 +132,28 @@ def test_a_run_cut_short_keeps_the_workloads_it_finished(tmp_path, monkeypatch):
     records = json.loads(out.read_text())["records"]
     assert [(r["workload"], r["system"]) for r in records] == [("train", "tformer"), ("train", "torch")]
     assert records[0]["ratio_vs_best_peer"] == pytest.approx(1.5)
+
+
+@pytest.mark.slow  # torch.compile of a tiny nn.Transformer with inductor's C++ backend: ~15 s
+def test_the_compiled_peer_compiles_once_for_every_shape_and_computes_what_the_eager_one_does(monkeypatch):
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    import systems
+    import torch
+    from torch._dynamo.utils import counters
+
+    size = systems.Size("tiny", 32, 1, 2, 64, 50)
+    eager = systems.TorchBuiltin(size, torch.device("cpu"))
+    monkeypatch.setattr(systems, "COMPILE_PEERS", True)
+    compiled = systems.TorchBuiltin(size, torch.device("cpu"))
+    compiled.model.load_state_dict(eager.model.state_dict())
+    eager.model.eval(), compiled.model.eval()  # no dropout: the same logits
+    torch._dynamo.reset()
+    counters.clear()
+    for sentences, source, target in [(3, 7, 7), (5, 9, 4), (2, 4, 11)]:  # equal lengths first: duck sizing's trap
+        batch = SimpleNamespace(src=torch.randint(4, 50, (sentences, source)),
+                                tgt_in=torch.randint(4, 50, (sentences, target)))
+        torch.testing.assert_close(compiled.logits(batch), eager.logits(batch))
+    assert counters["aot_autograd"]["total"] == 1  # one dynamic graph: not a static one, then another
 
 
 @pytest.mark.slow  # ~20 s: the profiler's events of a decoding batch take seconds to read
