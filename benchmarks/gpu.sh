@@ -16,8 +16,9 @@
 # paper   `--scale paper`: base and big at ~25,000 target tokens a step, tformer eager and with
 #         train.compile (the GPU default) beside it: paper-train; decoding 3,000 sentences: paper-decode.
 #         $SIZES (default base,big) picks the sizes: on an H100 paper-train at base alone took 5.5 minutes
-#         (2026-11-25; on 2026-11-27 compiling nn.Transformer took 4 of them, tformer's graph over 1.5)
-#         and paper-decode at both sizes over 8, so a 10-minute call holds one size of each
+#         (2026-11-25; on 2026-11-27 compiling nn.Transformer took 4 of them, tformer's graph over 1.5;
+#         the peer now compiles once, 1.5x faster on a CPU) and paper-decode at both sizes over 8, so a
+#         10-minute call holds one size of each
 # syncs   where training and decoding wait for the GPU: 300 demo steps, then greedy and beam 4 over 64
 #         sentences, on CUDA under torch's sync debug mode; each synchronizing call is counted by the
 #         line of tformer that made it
