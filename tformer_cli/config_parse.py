@@ -189,12 +189,13 @@ def check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
     if origin is Literal:
         if any(value == a and type(value) is type(a) for a in args):  # 1 is not true
             return None, value
-        if isinstance(value, bool) and (words := [a for a in args if a in _YAML_BOOL_WORDS[value]]):
-            return None, words[0]  # YAML reads `accel: off` as false: the choice the user wrote
         choices = ", ".join(str(a).lower() if isinstance(a, bool) else repr(a) for a in args)  # as in YAML
-        if isinstance(value, bool):  # `accel: on`: the user wrote a word, not True
-            word, spellings = str(value).lower(), ", ".join(_YAML_BOOL_WORDS[value])
-            return f"must be one of {choices}, got {word} (YAML reads {spellings} as {word})", value
+        if isinstance(value, bool):  # the user wrote a word (`accel: off`) that YAML read as a boolean
+            spellings = _YAML_BOOL_WORDS[value]
+            if words := [a for a in args if a in spellings]:
+                return None, words[0]  # the choice the user wrote
+            word = str(value).lower()
+            return f"must be one of {choices}, got {word} (YAML reads {', '.join(spellings)} as {word})", value
         return f"must be one of {choices}, got {brief(value)}{_suggest(str(value), map(str, args))}", value
     if origin is list:
         if not isinstance(value, (list, tuple)):
