@@ -278,9 +278,9 @@ def main() -> None:
                      for b in args.compile_attention]
         if args.bf16_stream:
             variants.append(Variant(f"train, {how}, residual stream in bf16", compiled, bf16_stream=True))
-    if args.inductor:
-        settings = ", ".join(f"{key}={value}" for key, value in args.inductor.items())
-        variants.append(Variant(f"train, {how} with {settings}", compiled, inductor=args.inductor))
+        if args.inductor:
+            settings = ", ".join(f"{key}={value}" for key, value in args.inductor.items())
+            variants.append(Variant(f"train, {how} with {settings}", compiled, inductor=args.inductor))
     for variant in variants:
         systems.ACCEL_SKIP = variant.skip
         system = variant.system(size, device)
