@@ -69,8 +69,8 @@ suite() {
 paper-train() {
     local workloads=${PAPER_WORKLOADS:-train,memory}
     "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads "$workloads" --sizes "$SIZES" \
-        --json "$RESULTS/paper-${workloads/,/-}-${SIZES/,/-}.json" --peers "${PAPER_PEERS:-torch,marian,xtransformers,tformer-compile}" \
-        --peer-adamw "${PEER_ADAMW:-fused}"
+        --json "$RESULTS/paper-${workloads/,/-}-${SIZES/,/-}.json" \
+        --peers "${PAPER_PEERS:-torch,marian,xtransformers,tformer-compile}" --peer-adamw "${PEER_ADAMW:-fused}"
 }
 # Decoding 3,000 sentences takes seconds to minutes a system, so it gets 3 timed repetitions, and the
 # peers its target names (Hugging Face generate) and CTranslate2, not nn.Transformer's uncached loop.
@@ -145,7 +145,8 @@ train-start() {  # a new session: the device keeps it running when this call ret
     RESULTS=$RESULTS MINUTES=$MINUTES MULTI30K=$MULTI30K PYTHON=$PYTHON TRAIN_SET=${TRAIN_SET:-} \
         setsid nohup bash "$SELF" train > /dev/null 2>&1 < /dev/null &
     echo $! > "$RESULTS/train.pid"
-    echo "training for $MINUTES minutes in the background (pid $!, log $RESULTS/train.log); gpu.sh train-wait waits for it"
+    echo "training for $MINUTES minutes in the background (pid $!, log $RESULTS/train.log);" \
+        "gpu.sh train-wait waits for it"
 }
 train-wait() {
     local pid

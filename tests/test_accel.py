@@ -141,7 +141,8 @@ def test_int8_weights_decode_like_fp32(trained_run):
     # the next token each model picks after fp32's own greedy outputs, position by position: whole outputs
     # of this 30-step model loop on near-ties, where one flipped choice changes all that follows
     texts = [f"{a} hundred {b}" for a in ("one", "two", "five", "nine") for b in ("seven", "twelve", "forty-one")]
-    greedy = [t.outputs[0][0] for t in translate(plain.model, plain.vocab, texts, DecodeOptions(max_len_a=0, max_len_b=20))]
+    decoded = translate(plain.model, plain.vocab, texts, DecodeOptions(max_len_a=0, max_len_b=20))
+    greedy = [t.outputs[0][0] for t in decoded]
     src = pad_sequences(plain.vocab.encode_sources(texts))
     tgt = pad_sequences(plain.vocab.encode_targets(greedy))
     with torch.no_grad():

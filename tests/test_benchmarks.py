@@ -146,7 +146,8 @@ def test_the_compiled_peer_compiles_once_for_every_shape_and_computes_what_the_e
     monkeypatch.setattr(systems, "COMPILE_PEERS", True)
     compiled = systems.TorchBuiltin(size, torch.device("cpu"))
     compiled.model.load_state_dict(eager.model.state_dict())
-    eager.model.eval(), compiled.model.eval()  # no dropout: the same logits
+    for peer in (eager, compiled):
+        peer.model.eval()  # no dropout: the same logits
     torch._dynamo.reset()
     counters.clear()
     for sentences, source, target in [(3, 7, 7), (5, 9, 4), (2, 4, 11)]:  # equal lengths first: duck sizing's trap
