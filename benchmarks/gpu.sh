@@ -35,6 +35,16 @@
 # machine without internet, carry the wheels that `bash benchmarks/gpu_wheels.sh` fetches (its header
 # says how to install them there); the data travels in a folder named in $MULTI30K.
 # (ctranslate2 4.8's CUDA build loads libcublas.so.12: on a CUDA 13 machine it is skipped.)
+#
+# Compiled kernels travel from one lease to the next: torch.compile's cache (inductor's graphs and
+# Triton's kernels) lives in $COMPILE_CACHE_DIR, which starts from the tarball $COMPILE_CACHE (default
+# .compile-cache/inductor.tgz, git-ignored, in parts .0, .1, ...) where it is there and the folder is not,
+# and is packed again after every step into the folder $COMPILE_CACHE_SAVE where that is set (a device
+# call: $OUT; parts of 15 MiB, as many as the cache needs). The cache hits on the same kind of GPU with the same torch and
+# Triton; a hit leaves dynamo's tracing and loading (on a CPU a small model's compiling fell from 23.5 to
+# 2.4 s). Warm-up figures on a warm cache are not what a user's first compiled run waits: each step's
+# log begins with the cache's state. Keep what a call returns for the next: cp FILES_AT/inductor.tgz.*
+# .compile-cache/ (after rm .compile-cache/inductor.tgz.*), and name .compile-cache in the call's carry.
 set -euo pipefail
 SELF=$(realpath "$0")
 cd "$(dirname "$0")/.."
@@ -44,7 +54,28 @@ MINUTES=${MINUTES:-10}
 SIZES=${SIZES:-base,big}
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=${COMPILE_CACHE_DIR:-/tmp/tformer-compile-cache}
+COMPILE_CACHE=${COMPILE_CACHE:-.compile-cache/inductor.tgz}
 mkdir -p "$RESULTS"
+
+cache-restore() {
+    if [[ -d $TORCHINDUCTOR_CACHE_DIR ]]; then
+        echo "compile cache: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1) left by an earlier call on this machine"
+    elif compgen -G "$COMPILE_CACHE.*" > /dev/null; then
+        mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+        cat "$COMPILE_CACHE".* | tar -xzf - -C "$TORCHINDUCTOR_CACHE_DIR"
+        echo "compile cache: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1) restored from $COMPILE_CACHE.*"
+    else
+        echo "compile cache: cold (no $COMPILE_CACHE.*)"
+    fi
+}
+cache-save() {  # the parts written under new names, then renamed: a call cut off mid-write leaves the last whole set
+    [[ -n ${COMPILE_CACHE_SAVE:-} && -d $TORCHINDUCTOR_CACHE_DIR ]] || return 0
+    mkdir -p "$COMPILE_CACHE_SAVE"
+    tar -czf - -C "$TORCHINDUCTOR_CACHE_DIR" . | split -b 15M -d -a 1 - "$COMPILE_CACHE_SAVE/inductor.tgz.new."
+    rm -f "$COMPILE_CACHE_SAVE"/inductor.tgz.[0-9]
+    for part in "$COMPILE_CACHE_SAVE"/inductor.tgz.new.*; do mv "$part" "${part/.new/}"; done
+}
 
 tests() {
     local compat=""  # a torch older than tformer's range: DDP's forward_sync_buffers mapped (compat/sitecustomize.py)
@@ -142,7 +173,8 @@ EOF
 }
 
 train-start() {  # a new session: the device keeps it running when this call returns
-    RESULTS=$RESULTS MINUTES=$MINUTES MULTI30K=$MULTI30K PYTHON=$PYTHON TRAIN_SET=${TRAIN_SET:-} \
+    # the detached run packs no cache (this call's $OUT is gone by then): train-wait does
+    RESULTS=$RESULTS MINUTES=$MINUTES MULTI30K=$MULTI30K PYTHON=$PYTHON TRAIN_SET=${TRAIN_SET:-} COMPILE_CACHE_SAVE= \
         setsid nohup bash "$SELF" train > /dev/null 2>&1 < /dev/null &
     echo $! > "$RESULTS/train.pid"
     echo "training for $MINUTES minutes in the background (pid $!, log $RESULTS/train.log);" \
@@ -159,8 +191,13 @@ for step in "${@:-tests syncs profile suite paper train}"; do
     for one in $step; do
         case $one in
             tests|syncs|profile|profile-decode|suite|paper|paper-train|paper-decode|train)
-                echo "== $one $(date -u +%H:%M:%S)"; $one 2>&1 | tee "$RESULTS/$one.log" ;;
-            train-start|train-wait) $one ;;
+                echo "== $one $(date -u +%H:%M:%S)"
+                status=0
+                { cache-restore; $one; } 2>&1 | tee "$RESULTS/$one.log" || status=$?
+                cache-save  # a failed step's compiled kernels serve the next call too
+                (( status == 0 )) || exit $status ;;
+            train-start) $one ;;
+            train-wait) $one; cache-save ;;
             *) echo "unknown step $one: choose from tests syncs profile profile-decode suite paper paper-train" \
                     "paper-decode train train-start train-wait" >&2; exit 2 ;;
         esac
