@@ -56,7 +56,7 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         # torch's products write every chunk's logits into one buffer (a new one per chunk is slower on a
         # CPU); oneDNN's have no out= form, and each chunk's are freed before the next
         buffer = None if fused or gemm.onednn_applies(hidden, weight) else \
-            hidden.new_empty((_round_up(min(n, chunk) * (2 if rdrop else 1), multiple), weight.shape[0]),
+            hidden.new_empty((gemm.round_up(min(n, chunk) * (2 if rdrop else 1), multiple), weight.shape[0]),
                              dtype=accumulate)
         mean_weight = None  # the mean logit of a row is h . mean_weight (the plain path's, made when needed)
         for start in range(0, n, chunk):
@@ -64,7 +64,7 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
             rows = [slice(start, stop), slice(n + start, n + stop)] if rdrop else [slice(start, stop)]
             h = (hidden[rows[0]] if len(rows) == 1 else torch.cat([hidden[r] for r in rows])).to(compute)
             m = h.shape[0]
-            h = gemm.zero_rows_to(h, _round_up(m, multiple))  # few distinct product shapes (ROW_MULTIPLE)
+            h = gemm.zero_rows_to(h, gemm.round_up(m, multiple))  # few distinct product shapes (ROW_MULTIPLE)
             padded_logits = _project(h, w, buffer)  # (rows, V)
             logits, t = padded_logits[:m], target[rows[0], None]
             terms = fused_loss.fused_smoothed_terms(logits, t, smoothing) if fused else None
@@ -99,10 +99,6 @@ class _LinearSmoothedCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _project(h: Tensor, w: Tensor, buffer: Tensor | None) -> Tensor:

@@ -119,8 +119,12 @@ def rounded_rows(n: int, per_power_of_two: int, multiple: int) -> int:
     """n rounded up to one of ``per_power_of_two`` (itself a power of two) sizes between powers of two,
     and to a multiple of ``multiple``: few distinct row counts, so few oneDNN kernels, for at most
     1/per_power_of_two more rows where ``multiple`` is the smaller step."""
-    step = max(multiple, 1 << max(0, n.bit_length() - per_power_of_two.bit_length()))
-    return -(-n // step) * step
+    return round_up(n, max(multiple, 1 << max(0, n.bit_length() - per_power_of_two.bit_length())))
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The least multiple of ``multiple`` that is at least n."""
+    return -(-n // multiple) * multiple
 
 
 def padded_rows(n: int) -> int:
