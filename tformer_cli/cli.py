@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 from typer.core import TyperGroup
@@ -18,8 +18,9 @@ from typer.core import TyperGroup
 from tformer_cli import __version__
 from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
-    ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, QuietOpt, RunArg, SetOpt, check_image_name, check_text)
+    ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, NprocOpt, QuietOpt, RunArg, SetOpt, check_image_name, check_text)
 from tformer_cli.errors import CheckpointError, ConfigError, Interrupted, TformerError, UsageError, out_of_memory
+from tformer_cli.launch import launch_training, launched, launched_rank
 
 
 class _ErrorBoundary(TyperGroup):
@@ -29,15 +30,7 @@ class _ErrorBoundary(TyperGroup):
         try:
             return super().invoke(ctx)
         except TformerError as exc:
-            if ctx.params.get("debug"):
-                raise
-            from tformer_cli.render import error_lines
-
-            # a wrong command line or config is the same mistake in every process torchrun starts on a
-            # machine: the first says it, not all eight
-            if not (isinstance(exc, (ConfigError, UsageError)) and os.environ.get("LOCAL_RANK", "0") != "0"):
-                error_lines(str(exc))
-            raise typer.Exit(1) from None
+            self._failed(ctx, exc)
         except OSError as exc:  # a file the user named cannot be read or written: no traceback for that
             if exc.filename is None or ctx.params.get("debug"):
                 raise
@@ -46,6 +39,10 @@ class _ErrorBoundary(TyperGroup):
             error_lines(f"{exc.filename}: {exc.strerror}")
             raise typer.Exit(1) from None
         except KeyboardInterrupt as exc:
+            # a signal while an error unwinds (torchrun stopping the other processes once one failed): the
+            # error is what happened
+            if isinstance(exc.__context__, TformerError):
+                self._failed(ctx, exc.__context__)
             from tformer_cli.render import error_lines
 
             error_lines("interrupted")
@@ -58,6 +55,19 @@ class _ErrorBoundary(TyperGroup):
             where = "GPU" if type(exc).__name__ == "OutOfMemoryError" else "CPU"
             error_lines(f"out of {where} memory: {OUT_OF_MEMORY.get(ctx.invoked_subcommand, 'use a smaller model')}")
             raise typer.Exit(1) from None
+
+
+    @staticmethod
+    def _failed(ctx, exc: TformerError) -> NoReturn:  # noqa: ANN001
+        if ctx.params.get("debug"):
+            raise exc
+        from tformer_cli.render import error_lines
+
+        # a wrong command line or config is the same mistake in every process torchrun starts on a
+        # machine: the first says it, not all eight
+        if not (isinstance(exc, (ConfigError, UsageError)) and os.environ.get("LOCAL_RANK", "0") != "0"):
+            error_lines(str(exc))
+        raise typer.Exit(1) from None
 
 
 # What to lower when a command runs out of memory
@@ -98,6 +108,7 @@ def _root(
 
 @app.command()
 def train(
+    ctx: typer.Context,
     config: Annotated[Optional[Path], typer.Argument(help="YAML config (omit with --resume).")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="Continue the run in this folder.")] = None,
     overrides: SetOpt = None,
@@ -107,6 +118,7 @@ def train(
         help="Replace an existing run folder (never a folder that holds no run).")] = False,
     quiet: QuietOpt = False,
     json_output: JsonOpt = False,
+    nproc_per_node: NprocOpt = None,
 ) -> None:
     """Train a model from a YAML config; checkpoints, metrics and the tokenizer go to a run folder.
 
@@ -114,8 +126,10 @@ def train(
       tformer train configs/demo.yaml
       tformer train configs/small.yaml --set data.dataset=../shared/data/multi30k --device cuda
       tformer train --resume runs/demo --set train.max_steps=4000
-      torchrun --standalone --nproc-per-node 4 -m tformer_cli train configs/base.yaml   [dim](4 GPUs)[/]
+      tformer train configs/base.yaml --nproc-per-node 4   [dim](4 GPUs)[/]
     """
+    if nproc_per_node not in (None, 1) and not launched():  # this process starts the ones that train
+        raise typer.Exit(launch_training(nproc_per_node, ctx.params, debug=ctx.find_root().params["debug"]))
     try:  # a signal here (torch loads for seconds) is answered like one during training
         from tformer_cli import parallel
         from tformer_cli.devices import resolve_device
@@ -124,9 +138,9 @@ def train(
         from tformer_cli.train import train as run_training
 
         cfg, run_dir = prepare_run(config, resume, list(overrides or []), output_dir, overwrite,
-                                   main=_launched_rank() == 0, device=device)
+                                   main=launched_rank() == 0, device=device)
     except KeyboardInterrupt as exc:
-        _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), None, _launched_rank() == 0)
+        _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), None, launched_rank() == 0)
     workers = parallel.join(resolve_device(cfg.train.device), cfg.train.parallel)  # under torchrun: one of several
     progress = TrainProgress(quiet or json_output)
     try:
@@ -142,13 +156,6 @@ def train(
                     "elapsed": result.state.elapsed, "last_eval": result.last_eval})
     if result.signal is not None:
         _stopped_by_signal(result.signal, run_dir, workers.main)
-
-
-def _launched_rank() -> int:
-    """This process's rank as torchrun set it (0 when not launched by it), without importing torch."""
-    import os
-
-    return int(os.environ.get("RANK", "0"))
 
 
 def _stopped_by_signal(signum: int, run_dir: Path | None, main: bool) -> None:

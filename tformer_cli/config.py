@@ -99,7 +99,7 @@ class TrainConfig:
     # compiling), not on a CPU (slower there)
     compile: Literal["auto", True, False] = "auto"
     accel: Literal["auto", "off"] = "auto"  # the speed layer (tformer_cli/accel): auto where it pays, off: plain
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # under torchrun: replicate the model (ddp), or shard it (fsdp)
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # several processes: replicate the model (ddp), or shard it (fsdp)
     tensorboard: bool = False  # also log the figures to RUN/tensorboard/ (pip install 'tformer[tensorboard]')
     max_tokens: int = 4096  # padded tokens (source or target, the larger) per batch
     # sentences per batch rounded down to a multiple of this where that many fit (fairseq's

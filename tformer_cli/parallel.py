@@ -1,6 +1,7 @@
-"""Training on several processes with PyTorch's own engines, launched by ``torchrun`` on one node or many.
+"""Training on several processes with PyTorch's own engines, launched by ``tformer train --nproc-per-node``
+on one node (``launch.py``) or by ``torchrun`` on one node or many.
 
-    torchrun --standalone --nproc-per-node 4 -m tformer_cli train configs/base.yaml
+    tformer train configs/base.yaml --nproc-per-node 4
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
         -m tformer_cli train configs/base.yaml
 

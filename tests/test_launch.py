@@ -1,0 +1,156 @@
+"""``tformer train --nproc-per-node N``: the processes torchrun would start, trained the same, with a
+mistake, a killed process and Ctrl-C each told in one line and no launcher traceback."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from conftest import write_config
+from test_parallel import _assert_same_losses, _assert_same_weights, _records
+from tformer_cli import launch
+from tformer_cli.cli import app
+from tformer_cli.runtime import step_checkpoints
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+
+
+def _tformer(*args: str, **popen) -> subprocess.Popen:
+    env = {key: value for key, value in os.environ.items() if key not in (launch.LAUNCHED, "LOCAL_RANK", "RANK")}
+    return subprocess.Popen([sys.executable, "-m", "tformer_cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.fixture
+def config(tmp_path):
+    return write_config(tmp_path / "p.yaml", model={"dropout": 0.0}, data={"max_samples": 800},
+                        train={"max_steps": 4, "eval_every": 2, "save_every": 2, "log_every": 2})
+
+
+def test_two_launched_processes_train_as_one_process_accumulating_two_batches(tmp_path, config):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert CliRunner().invoke(app, ["train", str(config), "--output-dir", str(one), "--quiet", "--set",
+                                    "train.grad_accum=2"]).exit_code == 0
+    process = _tformer("train", str(config), "--output-dir", str(two), "--nproc-per-node", "2", "--json")
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    assert json.loads(out)["step"] == 4  # rank 0 alone prints
+    assert [c.name for c in step_checkpoints(two)] == [c.name for c in step_checkpoints(one)]
+    for checkpoint in step_checkpoints(one):
+        _assert_same_weights(one, two, f"checkpoints/{checkpoint.name}")
+    _assert_same_losses(one, two)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "train.lr=-1"], "error: --set train.lr: must be > 0, got -1.0"),
+    (["--nproc-per-node", "0"], "error: --nproc-per-node 0: give 1 or more processes"),
+    (["--device", "cuda:7"], None),  # the device is checked before any process starts
+])
+def test_a_mistake_is_one_line_before_any_process_starts(tmp_path, config, monkeypatch, args, message):
+    monkeypatch.setattr(launch, "launch", lambda *args: pytest.fail("processes started"))
+    result = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "run"),
+                                      "--nproc-per-node", "2", *args])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: ")
+    assert message is None or lines[0] == message
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_process_that_torchrun_started_refuses_to_start_more(tmp_path, config, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    result = CliRunner().invoke(app, ["train", str(config), "--nproc-per-node", "2"])
+    assert result.exit_code == 1 and result.output.startswith("error: --nproc-per-node: this process was started by "
+                                                              "torchrun")
+
+
+def test_the_processes_get_the_command_line_that_gives_the_same_options(tmp_path):
+    """Every option of ``train`` is passed on (``launch.TRAIN_FLAGS``), and what the processes parse is
+    what this process parsed."""
+    command = typer.main.get_command(app).commands["train"]
+    given = ["cfg.yaml", "--set", "train.lr=1", "--set", "model.d_model=64", "--device", "cpu", "--output-dir",
+             str(tmp_path), "--overwrite", "--quiet", "--json", "--nproc-per-node", "4"]
+    options = command.make_context("train", list(given)).params
+    assert set(options) == {*launch.TRAIN_FLAGS, "config", "nproc_per_node"}
+    passed = command.make_context("train", launch.command_line(options)).params
+    assert passed == {**options, "nproc_per_node": None}
+    resumed = command.make_context("train", ["--resume", "runs/x"]).params
+    assert launch.command_line(resumed) == ["--resume", "runs/x"]
+
+
+def _start(tmp_path, config):
+    """Two launched processes training for long, once their first steps are logged: (launcher, run folder)."""
+    run = tmp_path / "run"
+    process = _tformer("train", str(config), "--output-dir", str(run), "--nproc-per-node", "2", "--quiet", "--set",
+                       "train.max_steps=100000", "--set", "train.save_every=100000", start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").is_file() or len(_records(run)) < 3:
+        assert time.monotonic() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    return process, run
+
+
+def _workers(launcher: subprocess.Popen) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    return sorted(map(int, found))
+
+
+@pytest.mark.slow
+def test_a_killed_process_is_one_line_from_the_launcher(tmp_path, config):
+    launcher, run = _start(tmp_path, config)
+    try:
+        workers = _workers(launcher)
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        stderr = launcher.communicate(timeout=120)[1]
+    finally:
+        launcher.kill()
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert launcher.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+    assert lines[-1] == (f"error: training process 1 of 2 was killed by SIGKILL (the others were stopped); the run "
+                         f"goes on from its last checkpoint with: tformer train --resume {run}")
+    # the other process: one line of its own (its peer gone, or stopped by the launcher), no traceback
+    assert len(lines) == 2 and lines[0].startswith("error: process 0: another training process stopped"), stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_and_says_where_once(tmp_path, config):
+    """The terminal's SIGINT reaches the launcher and both processes; the run stops after a step,
+    checkpointed, and goes on from there."""
+    launcher, run = _start(tmp_path, config)
+    try:
+        os.killpg(launcher.pid, signal.SIGINT)
+        stderr = launcher.communicate(timeout=120)[1]
+    finally:
+        launcher.kill()
+    (checkpoint,) = step_checkpoints(run)
+    assert launcher.returncode == 128 + signal.SIGINT
+    assert stderr.strip().splitlines() == [f"stopped by SIGINT; checkpoint {checkpoint}; resume with: tformer train "
+                                           f"--resume {run}"]
+
+
+def test_a_signal_while_an_error_unwinds_reports_the_error(tmp_path, config, monkeypatch):
+    """The launcher (or torchrun) stops the other processes with SIGTERM once one failed: one that is
+    itself failing (its peer gone) says why, not "interrupted"."""
+    import tformer_cli.parallel as parallel
+    import tformer_cli.train as train
+    from tformer_cli.errors import Interrupted, TformerError
+
+    def fail(*args, **kwargs):
+        raise TformerError("process 0: another training process stopped (RuntimeError); its own error says why")
+
+    def stopped_while_leaving():
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(train, "train", fail)
+    monkeypatch.setattr(parallel, "leave", stopped_while_leaving)
+    result = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 1
+    assert result.output.splitlines() == ["error: process 0: another training process stopped (RuntimeError); its "
+                                          "own error says why"]
