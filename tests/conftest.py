@@ -38,6 +38,13 @@ def write_config(path, **sections):
     return path
 
 
+def parallel_config(path):
+    """A tiny config for several processes: no dropout, and 4 steps within the first epoch (whose last odd
+    batch two processes leave out)."""
+    return write_config(path, model={"dropout": 0.0}, data={"max_samples": 800},
+                        train={"max_steps": 4, "eval_every": 2, "save_every": 2, "log_every": 2})
+
+
 def tiny_model_config(**overrides):
     """A model small enough for a unit test, overridable per test."""
     from tformer_cli.config import ModelConfig

@@ -13,7 +13,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from conftest import write_config
+from conftest import parallel_config
 from test_parallel import _assert_same_losses, _assert_same_weights, _records
 from tformer_cli import launch
 from tformer_cli.cli import app
@@ -22,16 +22,15 @@ from tformer_cli.runtime import step_checkpoints
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
 
 
+@pytest.fixture
+def config(tmp_path):
+    return parallel_config(tmp_path / "p.yaml")
+
+
 def _tformer(*args: str, **popen) -> subprocess.Popen:
     env = {key: value for key, value in os.environ.items() if key not in (launch.LAUNCHED, "LOCAL_RANK", "RANK")}
     return subprocess.Popen([sys.executable, "-m", "tformer_cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **popen)
-
-
-@pytest.fixture
-def config(tmp_path):
-    return write_config(tmp_path / "p.yaml", model={"dropout": 0.0}, data={"max_samples": 800},
-                        train={"max_steps": 4, "eval_every": 2, "save_every": 2, "log_every": 2})
 
 
 def test_two_launched_processes_train_as_one_process_accumulating_two_batches(tmp_path, config):

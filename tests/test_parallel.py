@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import write_config
+from conftest import parallel_config, write_config
 from tformer_cli.cli import app
 from tformer_cli.runtime import step_checkpoints
 
@@ -59,9 +59,7 @@ def _assert_same_losses(run_a, run_b) -> None:
 
 @pytest.fixture
 def config(tmp_path):
-    # no dropout, and 4 steps within the first epoch (whose last odd batch two processes leave out)
-    return write_config(tmp_path / "p.yaml", model={"dropout": 0.0}, data={"max_samples": 800},
-                        train={"max_steps": 4, "eval_every": 2, "save_every": 2, "log_every": 2})
+    return parallel_config(tmp_path / "p.yaml")
 
 
 def test_ddp_two_processes_train_as_one_process_accumulating_two_batches(tmp_path, config):
