@@ -49,7 +49,10 @@ def test_two_launched_processes_train_as_one_process_accumulating_two_batches(tm
 
 @pytest.mark.parametrize("args, message", [
     (["--set", "train.lr=-1"], "error: --set train.lr: must be > 0, got -1.0"),
-    (["--nproc-per-node", "0"], "error: --nproc-per-node 0: give 1 or more processes"),
+    (["--nproc-per-node", "0"], "error: --nproc-per-node 0: give a number of processes (1 or more), or gpu"),
+    (["--nproc-per-node", "two"], "error: --nproc-per-node two: give a number of processes (1 or more), or gpu"),
+    pytest.param(["--nproc-per-node", "gpu"], "error: --nproc-per-node gpu: this machine has no GPU that torch can "
+                 "see; give a number", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")),
     (["--device", "cuda:7"], None),  # the device is checked before any process starts
 ])
 def test_a_mistake_is_one_line_before_any_process_starts(tmp_path, config, monkeypatch, args, message):
@@ -153,3 +156,10 @@ def test_a_signal_while_an_error_unwinds_reports_the_error(tmp_path, config, mon
     assert result.exit_code == 1
     assert result.output.splitlines() == ["error: process 0: another training process stopped (RuntimeError); its "
                                           "own error says why"]
+
+
+def test_one_process_trains_in_this_one(tmp_path, config, monkeypatch):
+    monkeypatch.setattr(launch, "launch", lambda *args: pytest.fail("processes started"))
+    result = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "run"), "--quiet",
+                                      "--nproc-per-node", "1"])
+    assert result.exit_code == 0 and step_checkpoints(tmp_path / "run")

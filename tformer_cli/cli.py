@@ -20,7 +20,7 @@ from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
     ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, NprocOpt, QuietOpt, RunArg, SetOpt, check_image_name, check_text)
 from tformer_cli.errors import CheckpointError, ConfigError, Interrupted, TformerError, UsageError, out_of_memory
-from tformer_cli.launch import launch_training, launched, launched_rank
+from tformer_cli.launch import launch_training, launched, launched_rank, process_count
 
 
 class _ErrorBoundary(TyperGroup):
@@ -39,8 +39,7 @@ class _ErrorBoundary(TyperGroup):
             error_lines(f"{exc.filename}: {exc.strerror}")
             raise typer.Exit(1) from None
         except KeyboardInterrupt as exc:
-            # a signal while an error unwinds (torchrun stopping the other processes once one failed): the
-            # error is what happened
+            # a signal while an error unwinds (a launcher stopping the others once one failed): the error says why
             if isinstance(exc.__context__, TformerError):
                 self._failed(ctx, exc.__context__)
             from tformer_cli.render import error_lines
@@ -128,8 +127,9 @@ def train(
       tformer train --resume runs/demo --set train.max_steps=4000
       tformer train configs/base.yaml --nproc-per-node 4   [dim](4 GPUs)[/]
     """
-    if nproc_per_node not in (None, 1) and not launched():  # this process starts the ones that train
-        raise typer.Exit(launch_training(nproc_per_node, ctx.params, debug=ctx.find_root().params["debug"]))
+    processes = process_count(nproc_per_node) if nproc_per_node is not None and not launched() else 1
+    if processes > 1:  # this process starts the ones that train
+        raise typer.Exit(launch_training(processes, ctx.params, debug=ctx.find_root().params["debug"]))
     try:  # a signal here (torch loads for seconds) is answered like one during training
         from tformer_cli import parallel
         from tformer_cli.devices import resolve_device

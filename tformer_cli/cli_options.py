@@ -26,9 +26,9 @@ DeviceOpt = Annotated[Optional[str], typer.Option(
     "--device", help="auto | cpu | cuda (default: the config's train.device).")]
 DecodeDeviceOpt = Annotated[Optional[str], typer.Option(
     "--device", help="auto | cpu | cuda (default auto: a GPU where there is one).")]
-NprocOpt = Annotated[Optional[int], typer.Option(
-    "--nproc-per-node", metavar="N", help="Train with N processes on this machine, one a GPU (train.parallel: ddp or "
-    "fsdp), as torchrun --standalone --nproc-per-node N does.")]
+NprocOpt = Annotated[Optional[str], typer.Option(
+    "--nproc-per-node", metavar="N|gpu", help="Train with N processes on this machine, one a GPU (train.parallel: "
+    "ddp or fsdp), as torchrun --standalone --nproc-per-node N does; gpu: one for each GPU it sees.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output (warnings and errors still).")]
 RunArg = Annotated[Path, typer.Argument(help="Run folder (or a checkpoint folder inside it).")]
 

@@ -27,22 +27,39 @@ LAUNCHED = "TFORMER_LAUNCHED"  # in the environment of the processes this launch
 STOP_TIMEOUT_S = 120  # how long a process that was told to stop may take to checkpoint before it is killed
 
 
+def process_count(processes: str) -> int:
+    """--nproc-per-node's processes: a number, or "gpu" for one a GPU.
+
+    Raises:
+        UsageError: neither a number of 1 or more nor "gpu"; "gpu" on a machine without one; more than
+            one process asked of a process that torchrun started.
+    """
+    if processes == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--nproc-per-node gpu: this machine has no GPU that torch can see; give a number")
+        count = torch.cuda.device_count()
+    elif processes.isdigit() and int(processes) >= 1:
+        count = int(processes)
+    else:
+        raise UsageError(f"--nproc-per-node {processes}: give a number of processes (1 or more), or gpu")
+    if count > 1 and "LOCAL_RANK" in os.environ:
+        raise UsageError("--nproc-per-node: this process was started by torchrun, which says how many; give the "
+                         "number to torchrun or to tformer train, not both")
+    return count
+
+
 def launch_training(processes: int, options: dict[str, Any], debug: bool = False) -> int:
     """``tformer train`` with ``options`` (the command's parameters by name) in ``processes`` processes:
     the command checked here first, so that a mistake is one line before any process starts, then
     ``launch``. Returns the exit status to end with.
 
     Raises:
-        UsageError: fewer than 1 process, or this process is itself one that torchrun started.
-        ConfigError, CheckpointError: as ``prepare_run`` raises them.
+        ConfigError, CheckpointError, UsageError: as ``prepare_run`` raises them.
     """
     from tformer_cli.runs import prepare_run
 
-    if processes < 1:
-        raise UsageError(f"--nproc-per-node {processes}: give 1 or more processes")
-    if "LOCAL_RANK" in os.environ:
-        raise UsageError("--nproc-per-node: this process was started by torchrun, which says how many; give the "
-                         "number to torchrun or to tformer train, not both")
     _, run_dir = prepare_run(options["config"], options["resume"], list(options["overrides"] or []),
                              options["output_dir"], options["overwrite"], main=False, device=options["device"])
     return launch(processes, ["--debug"] * debug + ["train", *command_line(options)], run_dir)
