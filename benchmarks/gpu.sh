@@ -38,13 +38,14 @@
 #
 # Compiled kernels travel from one lease to the next: torch.compile's cache (inductor's graphs and
 # Triton's kernels) lives in $COMPILE_CACHE_DIR, which starts from the tarball $COMPILE_CACHE (default
-# .compile-cache/inductor.tgz, git-ignored, in parts .0, .1, ...) where it is there and the folder is not,
-# and is packed again after every step into the folder $COMPILE_CACHE_SAVE where that is set (a device
-# call: $OUT; parts of 15 MiB, as many as the cache needs). The cache hits on the same kind of GPU with the same torch and
-# Triton, from any checkout path; a hit leaves dynamo's tracing and loading (on a CPU a small model's
-# compiling fell from 23.5 to 2.4 s, also with the repository moved). Warm-up figures on a warm cache are not what a user's first compiled run waits: each step's
-# log begins with the cache's state. Keep what a call returns for the next: cp FILES_AT/inductor.tgz.*
-# .compile-cache/ (after rm .compile-cache/inductor.tgz.*), and name .compile-cache in the call's carry.
+# .compile-cache/inductor.tgz, git-ignored, in parts .0, .1, ...) where it is there and the folder is
+# not, and is packed again after every step into the folder $COMPILE_CACHE_SAVE where that is set (a
+# device call: $OUT; parts of 15 MiB, as many as the cache needs). The cache hits on the same kind of
+# GPU with the same torch and Triton, from any checkout path; a hit leaves dynamo's tracing and loading
+# (on a CPU a small model's compiling fell from 23.5 to 2.4 s, also with the repository moved). Warm-up
+# figures on a warm cache are not what a user's first compiled run waits: each step's log begins with
+# the cache's state. Keep what a call returns for the next: cp FILES_AT/inductor.tgz.* .compile-cache/
+# (after rm .compile-cache/inductor.tgz.*), and name .compile-cache in the call's carry.
 set -euo pipefail
 SELF=$(realpath "$0")
 cd "$(dirname "$0")/.."
