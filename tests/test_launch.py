@@ -33,6 +33,7 @@ def _tformer(*args: str, **popen) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, **popen)
 
 
+@pytest.mark.slow  # the same training as test_parallel's torchrun test, which the quick suite runs
 def test_two_launched_processes_train_as_one_process_accumulating_two_batches(tmp_path, config):
     one, two = tmp_path / "one", tmp_path / "two"
     assert CliRunner().invoke(app, ["train", str(config), "--output-dir", str(one), "--quiet", "--set",
