@@ -1,10 +1,15 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# datasets reads its cache folder once, when imported: the tables of the tests' data go to a temporary
+# folder (removed at the end), not the user's ~/.cache/huggingface/datasets
+HF_DATASETS_CACHE = os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="tformer-tests-datasets-")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
@@ -17,6 +22,8 @@ def _seed():
 def _cache(tmp_path_factory):
     """Tokenizer and encoding caches go to a temporary folder, not the user's home."""
     os.environ["TFORMER_CACHE"] = str(tmp_path_factory.mktemp("tformer-cache"))
+    yield
+    shutil.rmtree(HF_DATASETS_CACHE, ignore_errors=True)
 
 
 def write_config(path, **sections):
