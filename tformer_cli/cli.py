@@ -55,9 +55,9 @@ class _ErrorBoundary(TyperGroup):
             error_lines(f"out of {where} memory: {OUT_OF_MEMORY.get(ctx.invoked_subcommand, 'use a smaller model')}")
             raise typer.Exit(1) from None
 
-
     @staticmethod
     def _failed(ctx, exc: TformerError) -> NoReturn:  # noqa: ANN001
+        """The error in one red line and exit code 1 (the traceback with --debug)."""
         if ctx.params.get("debug"):
             raise exc
         from tformer_cli.render import error_lines
