@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/gpu.sh [STEP...]        steps: tests syncs profile suite paper train (default: all, ~27 min on an H100)
 #                                           paper-train and paper-decode: paper's two halves, for time-limited calls;
-#                                           profile-decode: profile's decoding half (~40 s)
+#                                           profile-decode: profile's decoding half (~40 s);
+#                                           attention: padded attention against packed (benchmarks/attention_packing.py)
 #
 # tests   the CUDA tests: kernels against the explicit path, CUDA against the CPU, autocast training,
 #         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one (on a torch
@@ -115,6 +116,9 @@ paper() { paper-train; paper-decode; }
 profile() {  # $PROFILE_ARGS: more of profile_step.py's options, e.g. --no-decode (training alone)
     "$PYTHON" benchmarks/profile_step.py --device cuda ${PROFILE_ARGS:-}
 }
+attention() {  # what packing sentences would save of a step's attention (benchmarks/attention_packing.py)
+    "$PYTHON" benchmarks/attention_packing.py --device cuda ${ATTENTION_ARGS:-}
+}
 profile-decode() {
     "$PYTHON" benchmarks/profile_step.py --device cuda --no-train
 }
@@ -191,7 +195,7 @@ train-wait() {
 for step in "${@:-tests syncs profile suite paper train}"; do
     for one in $step; do
         case $one in
-            tests|syncs|profile|profile-decode|suite|paper|paper-train|paper-decode|train)
+            tests|syncs|profile|profile-decode|attention|suite|paper|paper-train|paper-decode|train)
                 echo "== $one $(date -u +%H:%M:%S)"
                 status=0
                 { cache-restore; $one; } 2>&1 | tee "$RESULTS/$one.log" || status=$?
@@ -199,8 +203,8 @@ for step in "${@:-tests syncs profile suite paper train}"; do
                 (( status == 0 )) || exit $status ;;
             train-start) $one ;;
             train-wait) $one; cache-save ;;
-            *) echo "unknown step $one: choose from tests syncs profile profile-decode suite paper paper-train" \
-                    "paper-decode train train-start train-wait" >&2; exit 2 ;;
+            *) echo "unknown step $one: choose from tests syncs profile profile-decode attention suite paper" \
+                    "paper-train paper-decode train train-start train-wait" >&2; exit 2 ;;
         esac
     done
 done

@@ -122,6 +122,12 @@ def paper_sources(size: Size, sentences: int, max_tokens: int, beams: int, devic
     return batches
 
 
+def paper_step_lengths(target_tokens: int, count: int, seed: int = 0) -> tuple[tuple[list[int], list[int]], ...]:
+    """The source and target lengths (tokens, EOS included; a target's decoder input is as long) of
+    each of ``paper_batches``' ``count`` steps."""
+    return _paper_steps(target_tokens, count, seed)
+
+
 PAPER_CORPUS = 4_500_000  # sentence pairs: WMT 2014 English-German, the paper's base corpus
 
 

@@ -171,6 +171,30 @@ def test_the_step_profile_sorts_a_steps_time_into_kinds_on_a_cpu():
     assert "matmul" in result.stdout and "costliest:" in result.stdout
 
 
+def test_packed_attention_computes_what_the_padded_model_computes_on_a_cpu():
+    """attention_packing.py checks each layout's output against the padded call at the real positions
+    (for the encoder's, the decoder's causal and the cross-attention) before it times them."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_packing.py"
+    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "small", "--tokens", "600",
+                             "--steps", "2", "--row", "64", "--variants", "padded,packed", "--repeats", "1"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = {line[:14].strip(): line[14:].split() for line in result.stdout.splitlines()[1:]}
+    assert table[""] == ["padded", "packed"]
+    assert set(table) == {"", "encoder self", "decoder self", "cross", "all"}
+    assert all(float(ms) > 0 for row in ("encoder self", "decoder self", "cross", "all") for ms in table[row])
+
+
+def test_a_packed_row_holds_whole_sentences_up_to_its_length():
+    sys.path.insert(0, str(RUN.parent))
+    from attention_packing import rows_of
+
+    lengths = [30, 40, 50, 20, 130, 10, 60]
+    rows = rows_of(lengths, 128)
+    assert [i for row in rows for i in row] == list(range(len(lengths)))  # every sentence once, in order
+    assert rows == [[0, 1, 2], [3], [4], [5, 6]]  # 130 alone: longer than a row
+
+
 def test_the_memory_prediction_counts_each_storage_while_it_lives():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
