@@ -149,13 +149,19 @@ def inductor_settings(text: str) -> dict[str, object]:
 
 
 def bf16_stream(model: torch.nn.Module) -> None:
-    """Cast the output of the model's embeddings and layer norms to bf16: the residual stream, which
-    autocast keeps in fp32 (embedding lookups and layer norms run in fp32 under it), is then bf16."""
+    """Under bf16 autocast, cast the output of the model's embeddings and layer norms to bf16: the
+    residual stream, which autocast keeps in fp32 (embedding lookups and layer norms run in fp32 under
+    it), is then bf16. Outside autocast (fp32 validation) the model is as it was."""
     from tformer_cli.model.layers import TokenEmbedding
+
+    def to_bf16(module, args, out):  # noqa: ANN001
+        device = out.device.type
+        in_bf16 = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+        return out.to(torch.bfloat16) if in_bf16 else out
 
     for module in model.modules():
         if isinstance(module, (TokenEmbedding, torch.nn.LayerNorm)):
-            module.register_forward_hook(lambda module, args, out: out.to(torch.bfloat16))
+            module.register_forward_hook(to_bf16)
 
 
 def record_directly(step):
