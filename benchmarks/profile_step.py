@@ -64,27 +64,22 @@ def kind(name: str) -> str:
     return next((k for k, pattern in KINDS if re.search(pattern, lowered)), "elementwise / other")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(label: str, step, device: torch.device, steps: int, warmup: int) -> None:
     start = time.perf_counter()
     for _ in range(warmup):
         step()
-    _sync(device)
+    systems.sync(device)
     warm = time.perf_counter() - start  # compiling included, where there is any
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    _sync(device)
+    systems.sync(device)
     wall = (time.perf_counter() - start) / steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-        _sync(device)
+        systems.sync(device)
     if device.type == "cuda":  # kernels: the events that ran on the device
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         duration = lambda e: e.device_time  # noqa: E731 (microseconds)

@@ -65,8 +65,7 @@ def matmul_peak(device: torch.device, precision: str) -> float:
 
 
 def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    systems.sync(device)
     return time.perf_counter()
 
 

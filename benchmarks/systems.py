@@ -71,6 +71,12 @@ class TrainBatch:
         return cls(src.to(device), tgt[:, :-1].to(device), tgt[:, 1:].to(device), real.to(device))
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's), so that a clock read after it times that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def make_batch(size: Size, batch: int, length: int, device: torch.device, seed: int = 0) -> TrainBatch:
     generator = torch.Generator().manual_seed(seed)
     src = torch.randint(4, size.vocab, (batch, length), generator=generator)
@@ -88,7 +94,7 @@ def paper_batches(size: Size, target_tokens: int, count: int, device: torch.devi
     only a few steps' pairs, each batch would span more lengths and pad twice as much.)"""
     generator = torch.Generator().manual_seed(seed)
     batches = []
-    for src_lengths, tgt_lengths in _paper_steps(target_tokens, count, seed):
+    for src_lengths, tgt_lengths in paper_step_lengths(target_tokens, count, seed):
         src_ids = torch.full((len(src_lengths), max(src_lengths)), PAD, dtype=torch.long)
         tgt_ids = torch.full((len(tgt_lengths), max(tgt_lengths) + 1), PAD, dtype=torch.long)
         for row, (S, T) in enumerate(zip(src_lengths, tgt_lengths)):
@@ -122,19 +128,13 @@ def paper_sources(size: Size, sentences: int, max_tokens: int, beams: int, devic
     return batches
 
 
-def paper_step_lengths(target_tokens: int, count: int, seed: int = 0) -> tuple[tuple[list[int], list[int]], ...]:
-    """The source and target lengths (tokens, EOS included; a target's decoder input is as long) of
-    each of ``paper_batches``' ``count`` steps."""
-    return _paper_steps(target_tokens, count, seed)
-
-
 PAPER_CORPUS = 4_500_000  # sentence pairs: WMT 2014 English-German, the paper's base corpus
 
 
 @functools.lru_cache(maxsize=None)
-def _paper_steps(target_tokens: int, count: int, seed: int) -> tuple[tuple[list[int], list[int]], ...]:
-    """The source and target lengths of each of ``paper_batches``' steps: the same at every model size,
-    so the corpus is drawn and cut once a process."""
+def paper_step_lengths(target_tokens: int, count: int, seed: int = 0) -> tuple[tuple[list[int], list[int]], ...]:
+    """The source and target lengths (tokens, EOS included; a target's decoder input is as long) of each
+    of ``paper_batches``' steps: the same at every model size, so the corpus is drawn and cut once a process."""
     from tformer_cli.batching import token_batches
     from tformer_cli.config import TrainConfig
 
