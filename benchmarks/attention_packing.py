@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import systems  # noqa: E402
 
 VARIANTS = ("padded", "packed", "flex", "varlen")
-_flex = None  # flex_attention, compiled
 KINDS = ("encoder self", "decoder self", "cross")
+_flex = None  # flex_attention, compiled
 
 
 def rows_of(lengths: list[int], row: int) -> list[list[int]]:
@@ -67,10 +67,10 @@ class Batch:
         # each packed position's sentence (-1: padding) and the flat padded position (B * T) it holds
         self.q_doc, self.q_from = self._layout(q_lengths)
         self.k_doc, self.k_from = self._layout(k_lengths)
-        # the real positions, sentence after sentence: flat indices into the padded and the packed layout
-        self.q_real = self._real(q_lengths)
-        self.q_real_packed = torch.argsort(self.q_from.flatten()[self.q_doc.flatten() >= 0])
-        self.q_real_packed = (self.q_doc.flatten() >= 0).nonzero().squeeze(1)[self.q_real_packed]
+        # the real positions, sentence after sentence: flat indices into the padded layout, and into the
+        # packed one (whose rows hold the sentences in order, so its real positions are already in order)
+        self.q_real, self.k_real = self._real(q_lengths), self._real(k_lengths)
+        self.q_real_packed = (self.q_doc.flatten() >= 0).nonzero().squeeze(1)
 
     def _layout(self, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(sum(lengths[i] for i in r) for r in self.rows)
@@ -147,9 +147,10 @@ def layout(name: str, batch: Batch, q, k, v):  # noqa: ANN001
 
         block = create_block_mask(allowed, q_doc.shape[0], None, q_doc.shape[1], k_doc.shape[1], device=q.device)
         global _flex
-        if _flex is None:  # compiled once: its shapes become dynamic at the second batch
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # never eager
-            _flex = torch.compile(flex_attention)
+        if _flex is None:  # a static kernel for each batch's shapes: inductor's CPU template failed to build
+            # for dynamic ones (torch 2.13); the limit keeps every batch compiled, never eager
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            _flex = torch.compile(flex_attention, dynamic=False)
         return packed, lambda q, k, v: _flex(q, k, v, block_mask=block), read
     if name == "varlen":
         from torch.nn.attention.varlen import varlen_attn
@@ -158,12 +159,11 @@ def layout(name: str, batch: Batch, q, k, v):  # noqa: ANN001
             return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
 
         cu_q, cu_k = offsets(batch.q_lengths), offsets(batch.k_lengths)
-        k_real = batch._real(batch.k_lengths)
         if "window_size" in inspect.signature(varlen_attn).parameters:  # torch 2.11 on
             causal = {"window_size": (-1, 0) if batch.causal else (-1, -1)}
         else:
             causal = {"is_causal": batch.causal}
-        return (leaves(Batch.take(q, batch.q_real), Batch.take(k, k_real), Batch.take(v, k_real)),
+        return (leaves(Batch.take(q, batch.q_real), Batch.take(k, batch.k_real), Batch.take(v, batch.k_real)),
                 lambda q, k, v: varlen_attn(q, k, v, cu_q, cu_k, max(batch.q_lengths), max(batch.k_lengths), **causal),
                 lambda out: out)
     raise ValueError(name)
@@ -198,7 +198,7 @@ def main() -> None:
             q, k, v = (torch.randn(B, H, max(n), d, generator=generator).to(device, dtype)
                        for n in (q_lengths, k_lengths, k_lengths))
             reference = None
-            for name in [v for v in variants if v not in failed]:
+            for name in [variant for variant in variants if variant not in failed]:
                 try:
                     inputs, attend, read = layout(name, batch, q, k, v)
                     out = attend(*inputs)
@@ -218,10 +218,10 @@ def main() -> None:
                         print(f"{name}: {failed[name]}")
                         continue
                 for repeat in range(1 + args.repeats):  # one more to warm up
-                    _sync(device)
+                    systems.sync(device)
                     start = time.perf_counter()
                     attend(*inputs).backward(grad)
-                    _sync(device)
+                    systems.sync(device)
                     if repeat >= 1:
                         times[kind, name].append(time.perf_counter() - start)
     layers = size.layers
@@ -233,11 +233,6 @@ def main() -> None:
         kinds = KINDS if kind == "all" else (kind,)
         cells = [sum(statistics.median(times[k, v]) for k in kinds) * layers * 1e3 for v in ran]
         print(f"{kind:14}" + "".join(f"{c:10.2f}" for c in cells))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -185,8 +185,8 @@ def test_packed_attention_computes_what_the_padded_model_computes_on_a_cpu():
     assert all(float(ms) > 0 for row in ("encoder self", "decoder self", "cross", "all") for ms in table[row])
 
 
-def test_a_packed_row_holds_whole_sentences_up_to_its_length():
-    sys.path.insert(0, str(RUN.parent))
+def test_a_packed_row_holds_whole_sentences_up_to_its_length(monkeypatch):
+    monkeypatch.syspath_prepend(str(RUN.parent))
     from attention_packing import rows_of
 
     lengths = [30, 40, 50, 20, 130, 10, 60]
