@@ -62,7 +62,7 @@ mkdir -p "$RESULTS"
 
 cache-restore() {
     if [[ -d $TORCHINDUCTOR_CACHE_DIR ]]; then
-        echo "compile cache: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1) left by an earlier call on this machine"
+        echo "compile cache: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1) left by an earlier step or call on this machine"
     elif compgen -G "$COMPILE_CACHE.*" > /dev/null; then
         mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
         cat "$COMPILE_CACHE".* | tar -xzf - -C "$TORCHINDUCTOR_CACHE_DIR"
