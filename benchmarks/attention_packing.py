@@ -11,8 +11,8 @@ Base's three kinds of attention, forward and backward, over the suite's paper-sc
 - ``packed``: the same sentences end to end in rows of at most ``--row`` tokens, attending within
   their own sentence through a block-diagonal mask (causal inside it for the decoder), the same
   ``scaled_dot_product_attention`` call;
-- ``flex``: those rows through ``flex_attention`` with a block mask, compiled: blocks of 128 that hold
-  no allowed pair are skipped, so rows can be long;
+- ``flex``: rows of at most ``--flex-row`` tokens through ``flex_attention`` with a block mask,
+  compiled: blocks of 128 that hold no allowed pair are skipped, so its rows can be long;
 - ``varlen``: no rows: every sentence's tokens one after another (``torch.nn.attention.varlen``, flash;
   CUDA only).
 
@@ -175,7 +175,8 @@ def main() -> None:
     parser.add_argument("--size", default="base", choices=systems.SIZES)
     parser.add_argument("--tokens", type=int, default=25_000, help="target tokens a step (the paper's)")
     parser.add_argument("--steps", type=int, default=6, help="batches, short to long")
-    parser.add_argument("--row", type=int, default=128, help="tokens a packed row")
+    parser.add_argument("--row", type=int, default=128, help="tokens a packed row (SDPA's mask is dense)")
+    parser.add_argument("--flex-row", type=int, default=1024, help="tokens a row of flex_attention's")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
@@ -193,13 +194,15 @@ def main() -> None:
         for kind in KINDS:
             q_lengths = src_lengths if kind == "encoder self" else tgt_lengths
             k_lengths = tgt_lengths if kind == "decoder self" else src_lengths
-            batch = Batch(q_lengths, k_lengths, kind == "decoder self", args.row, device)
+            batches = {row: Batch(q_lengths, k_lengths, kind == "decoder self", row, device)
+                       for row in {args.row, args.flex_row}}
             B = len(q_lengths)
             q, k, v = (torch.randn(B, H, max(n), d, generator=generator).to(device, dtype)
                        for n in (q_lengths, k_lengths, k_lengths))
             reference = None
             for name in [variant for variant in variants if variant not in failed]:
                 try:
+                    batch = batches[args.flex_row if name == "flex" else args.row]
                     inputs, attend, read = layout(name, batch, q, k, v)
                     out = attend(*inputs)
                     grad = torch.randn(out.shape, generator=generator).to(device, dtype)
@@ -226,7 +229,8 @@ def main() -> None:
                         times[kind, name].append(time.perf_counter() - start)
     layers = size.layers
     print(f"{size.name}: {args.steps} paper-scale batches of ~{args.tokens:,} target tokens, rows of {args.row} "
-          f"tokens; ms a step for {layers} calls of each kind, forward and backward ({device.type}, {dtype})")
+          f"tokens ({args.flex_row} for flex); ms a step for {layers} calls of each kind, forward and backward "
+          f"({device.type}, {dtype})")
     ran = [v for v in variants if v not in failed]
     print(f"{'':14}" + "".join(f"{v:>10}" for v in ran))
     for kind in (*KINDS, "all"):
