@@ -8,7 +8,8 @@ A greedy batch and a beam-4 batch of the paper-scale decoding workloads are prof
 a step at a time, then as CUDA graphs, under autocast; then with the model held in bf16); then
 training four ways: eager, eager with the speed layer's GPU loss left out (``--accel-skip loss``), compiled,
 and compiled layer by layer (``systems.TformerLayersCompiled``: minutes less compiling). For each
-it prints the wall time a step, the device's kernel time a step and their ratio (how busy the device
+it prints the wall time a step, target tokens/s and MFU (the suite's FLOP count against the matrix
+peak measured in the same run), the device's kernel time a step and their ratio (how busy the device
 is: well under 1 means it waits for the host), the kernel time by kind (matrix products, attention,
 the loss, elementwise and normalisation, the optimizer), and the ten costliest kernels. Training runs
 the suite's paper-scale batches (``systems.paper_batches``), under bf16 autocast on CUDA.
@@ -18,7 +19,8 @@ torch's attention held to each of those kernels (``torch.nn.attention.sdpa_kerne
 ``--compile-attention math`` the compiled step so (math: inductor fuses the explicit softmax), and
 ``--inductor coordinate_descent_tuning=true`` compiles once more with those inductor settings, and
 ``--bf16-stream`` trains eager and compiled with the residual stream in bf16 (each embedding's and layer
-norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32). On a GPU each compiled
+norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32), and compiled with both
+that and each ``--compile-attention`` kernel (what the two buy together). On a GPU each compiled
 variant compiles for minutes as one graph: ``--experiments-compile layers`` compiles the experiments
 layer by layer instead (to compare with the ``layers`` baseline), and ``--baselines`` picks which of
 the four standard variants run (eager, unfused, compiled, layers), e.g. ``--baselines eager,layers``. For decoding,
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import systems  # noqa: E402
+from run import matmul_peak, train_flops_per_step  # noqa: E402
 from tformer_cli.accel import graphs  # noqa: E402
 
 # kernel name -> kind, first match wins (cuBLAS/CUTLASS products, torch's attention kernels, ...)
@@ -64,7 +67,9 @@ def kind(name: str) -> str:
     return next((k for k, pattern in KINDS if re.search(pattern, lowered)), "elementwise / other")
 
 
-def measure(label: str, step, device: torch.device, steps: int, warmup: int) -> None:
+def measure(label: str, step, device: torch.device, steps: int, warmup: int, rate=None) -> None:  # noqa: ANN001
+    """Warm up, time ``steps`` steps, then profile as many; ``rate(seconds a step)`` describes the speed
+    (target tokens/s and MFU for training)."""
     start = time.perf_counter()
     for _ in range(warmup):
         step()
@@ -94,6 +99,8 @@ def measure(label: str, step, device: torch.device, steps: int, warmup: int) -> 
     what = "kernels" if device.type == "cuda" else "operators"
     print(f"\n== {label}: {wall * 1e3:,.1f} ms a step (wall), {busy * 1e3:,.1f} ms of {what} "
           f"({busy / wall:.0%} busy), {len(kernels) / steps:,.0f} {what} a step; {warmup} warm-up steps took {warm:,.1f} s")
+    if rate is not None:
+        print(f"   {rate(wall)}")
     total = sum(by_kind.values())
     for name, us in by_kind.most_common():
         print(f"   {us / steps / 1e3:8.2f} ms  {us / total:5.1%}  {name}")
@@ -264,8 +271,16 @@ def main() -> None:
     if args.no_train:
         return
     batches = systems.paper_batches(size, args.tokens, args.steps, device)
-    print(f"\ntraining: {len(batches)} batches, {sum(b.target_tokens for b in batches) // len(batches):,} target "
-          "tokens each on average")
+    target = sum(b.target_tokens for b in batches) / len(batches)
+    source = sum(int((b.src != systems.PAD).sum()) for b in batches) / len(batches)
+    flops = train_flops_per_step(args.size, target, source / target)
+    peak = matmul_peak(device, systems.PRECISION)
+    print(f"\ntraining: {len(batches)} batches, {target:,.0f} target tokens each on average; the "
+          f"{systems.PRECISION} matrix peak measured here {peak / 1e12:,.1f} TFLOP/s")
+
+    def rate(seconds: float) -> str:
+        return f"{target / seconds:,.0f} target tokens/s, MFU {flops / seconds / peak:.3f}"
+
     variants = [BASELINES[name] for name in args.baselines]
     if args.no_compile:  # the eager baselines only
         variants = [variant for variant in variants if variant.system is systems.Tformer]
@@ -279,6 +294,8 @@ def main() -> None:
                      for b in args.compile_attention]
         if args.bf16_stream:
             variants.append(Variant(f"train, {how}, residual stream in bf16", compiled, bf16_stream=True))
+            variants += [Variant(f"train, {how}, attention by {b.name}, residual stream in bf16", compiled,
+                                 attention=b, bf16_stream=True) for b in args.compile_attention]  # both at once
         if args.inductor:
             settings = ", ".join(f"{key}={value}" for key, value in args.inductor.items())
             variants.append(Variant(f"train, {how} with {settings}", compiled, inductor=args.inductor))
@@ -304,7 +321,7 @@ def main() -> None:
                 system.train_step(next(batch))
 
         try:
-            measure(variant.label, train_step, device, len(batches), warmup=2 * len(batches))
+            measure(variant.label, train_step, device, len(batches), warmup=2 * len(batches), rate=rate)
         except Exception as error:  # noqa: BLE001 (a variant that fails on this torch does not stop the rest)
             print(f"\n== {variant.label}: failed: {type(error).__name__}: {str(error).splitlines()[0]}")
         del system

@@ -2,6 +2,7 @@
 extra install) and writes the records its README table is built from."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,7 @@ def test_the_step_profile_sorts_a_steps_time_into_kinds_on_a_cpu():
     assert sections[0].startswith("== greedy") and sections[1].startswith("== beam 4")
     assert all("busy" in s for s in sections)
     assert "matmul" in result.stdout and "costliest:" in result.stdout
+    assert len(re.findall(r"target tokens/s, MFU 0\.\d{3}", result.stdout)) == 3  # each training variant
 
 
 def test_packed_attention_computes_what_the_padded_model_computes_on_a_cpu():
