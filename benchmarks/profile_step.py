@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import re
 import sys
 import time
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
@@ -194,6 +195,25 @@ def attention_backends(text: str) -> list[SDPBackend]:
     return [names[name] for name in filter(None, text.split(","))]
 
 
+@contextmanager
+def compile_cache_for(backend: SDPBackend | None):
+    """torch.compile's on-disk caches in a folder of their own while attention is held to ``backend``:
+    their keys leave out which attention kernel was chosen (pytorch/pytorch#185449), so a variant
+    compiled after another would run the other's kernel, from the cache. The folder sits inside the
+    usual one, so that gpu.sh carries it too."""
+    if backend is None:
+        yield
+        return
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    usual = cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(usual, f"sdpa-{backend.name.lower()}")
+    try:
+        yield
+    finally:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = usual
+
+
 def profile_decoding(args: argparse.Namespace, size: systems.Size, device: torch.device, autocast) -> None:  # noqa: ANN001
     """A greedy and a beam-4 batch of paper-scale decoding: a step at a time and as CUDA graphs, under
     autocast and (on a GPU) with the model held in bf16. The model is freed on return, before training."""
@@ -321,7 +341,8 @@ def main() -> None:
                 system.train_step(next(batch))
 
         try:
-            measure(variant.label, train_step, device, len(batches), warmup=2 * len(batches), rate=rate)
+            with compile_cache_for(variant.attention):
+                measure(variant.label, train_step, device, len(batches), warmup=2 * len(batches), rate=rate)
         except Exception as error:  # noqa: BLE001 (a variant that fails on this torch does not stop the rest)
             print(f"\n== {variant.label}: failed: {type(error).__name__}: {str(error).splitlines()[0]}")
         del system

@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -219,3 +220,31 @@ def test_the_memory_prediction_counts_each_storage_while_it_lives():
     lines = result.stdout.splitlines()
     assert [line.split()[:2] for line in lines[:2]] == [["host", "tformer"], ["host", "torch"]]
     assert "tformer / the lowest peer (torch):" in lines[2]
+
+
+@pytest.mark.slow  # compiles twice, ~10 s
+def test_a_compiled_variant_held_to_math_attention_runs_it_after_another_compiled_the_same_graph(
+        monkeypatch, tmp_path):
+    """The compile caches' keys leave out the attention kernel held by ``sdpa_kernel``: without a
+    cache of its own, profile_step's math variant ran the flash kernel compiled before it."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from profile_step import compile_cache_for
+
+    q, k, v = (torch.randn(2, 2, 8, 16, requires_grad=True) for _ in range(3))
+
+    def operators(backend):
+        torch._dynamo.reset()  # as profile_step compiles each variant afresh
+        attend = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v).sum())
+        held = sdpa_kernel(backend) if backend is not None else nullcontext()
+        with compile_cache_for(backend), held, torch.profiler.profile() as profile:
+            attend(q, k, v).backward()
+        return {event.name for event in profile.events()}
+
+    default, math = operators(None), operators(SDPBackend.MATH)
+    assert any("flash_attention" in name for name in default)
+    assert not any("flash_attention" in name for name in math) and "aten::bmm" in math
