@@ -8,6 +8,10 @@ Base's three kinds of attention, forward and backward, over the suite's paper-sc
 
 - ``padded``: as the model runs them: each batch padded to its longest sentence, a key-padding mask
   for the encoder's self-attention and the cross-attention, ``is_causal`` for the decoder's;
+- ``explicit``: padded, but the explicit softmax(Q K^T / sqrt(d_k)) V of the model's own
+  ``attention_weights`` under autocast and ``torch.compile``: two batched products in bf16 and one
+  fused softmax kernel, no tiles of 64 or 128 (``profile_step.py --compile-attention explicit`` trains
+  the step so);
 - ``packed``: the same sentences end to end in rows of at most ``--row`` tokens, attending within
   their own sentence through a block-diagonal mask (causal inside it for the decoder), the same
   ``scaled_dot_product_attention`` call;
@@ -40,9 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import systems  # noqa: E402
 
-VARIANTS = ("padded", "packed", "flex", "varlen")
+VARIANTS = ("padded", "explicit", "packed", "flex", "varlen")
 KINDS = ("encoder self", "decoder self", "cross")
 _flex = None  # flex_attention, compiled
+_explicit = None  # explicit_attention, compiled
 
 
 def rows_of(lengths: list[int], row: int) -> list[list[int]]:
@@ -118,6 +123,22 @@ class Batch:
         return x.transpose(1, 2).reshape(B * T, H, d)[index]
 
 
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       causal: bool) -> torch.Tensor:
+    """The model's explicit attention under autocast in q's dtype: products in it, softmax in fp32."""
+    from tformer_cli.model.attention import attention_weights
+
+    with torch.autocast(q.device.type, dtype=q.dtype, enabled=q.dtype != torch.float32):
+        return attention_weights(q, k, mask, causal) @ v
+
+
+def compiled_per_shape(function):  # noqa: ANN001, ANN201
+    """``function`` compiled static for each batch's shapes (inductor's CPU templates failed to build
+    for dynamic ones, torch 2.13); the limit keeps every batch compiled, never eager."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(function, dynamic=False)
+
+
 def layout(name: str, batch: Batch, q, k, v):  # noqa: ANN001
     """``name``'s inputs made from the padded q, k, v (B, H, T, d) (new leaves: the step's activations
     would already be laid out so), its attention (a function of them) and how to read its output's real
@@ -129,6 +150,12 @@ def layout(name: str, batch: Batch, q, k, v):  # noqa: ANN001
         mask = batch.padded_mask()
         return (leaves(q, k, v), lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                                                   is_causal=batch.causal),
+                lambda out: Batch.take(out, batch.q_real))
+    if name == "explicit":
+        global _explicit
+        _explicit = _explicit or compiled_per_shape(explicit_attention)
+        mask = batch.padded_mask()
+        return (leaves(q, k, v), lambda q, k, v: _explicit(q, k, v, mask, batch.causal),
                 lambda out: Batch.take(out, batch.q_real))
     if name in ("packed", "flex"):
         packed = leaves(Batch.pack(q, batch.q_doc, batch.q_from), Batch.pack(k, batch.k_doc, batch.k_from),
@@ -147,10 +174,7 @@ def layout(name: str, batch: Batch, q, k, v):  # noqa: ANN001
 
         block = create_block_mask(allowed, q_doc.shape[0], None, q_doc.shape[1], k_doc.shape[1], device=q.device)
         global _flex
-        if _flex is None:  # a static kernel for each batch's shapes: inductor's CPU template failed to build
-            # for dynamic ones (torch 2.13); the limit keeps every batch compiled, never eager
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            _flex = torch.compile(flex_attention, dynamic=False)
+        _flex = _flex or compiled_per_shape(flex_attention)
         return packed, lambda q, k, v: _flex(q, k, v, block_mask=block), read
     if name == "varlen":
         from torch.nn.attention.varlen import varlen_attn

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu.sh [STEP...]        steps: tests syncs profile suite paper train (default: all, ~27 min on an H100)
 #                                           paper-train and paper-decode: paper's two halves, for time-limited calls;
 #                                           profile-decode: profile's decoding half (~40 s);
-#                                           attention: padded attention against packed (benchmarks/attention_packing.py)
+#                                           attention: padded attention against explicit and packed (benchmarks/attention_packing.py)
 #
 # tests   the CUDA tests: kernels against the explicit path, CUDA against the CPU, autocast training,
 #         two processes sharing the GPU over gloo, and the loop over NCCL in a group of one (on a torch

@@ -16,7 +16,8 @@ the suite's paper-scale batches (``systems.paper_batches``), under bf16 autocast
 
 Experiments, each an extra training variant: ``--attention efficient,cudnn,math`` runs the eager step with
 torch's attention held to each of those kernels (``torch.nn.attention.sdpa_kernel``), and
-``--compile-attention math`` the compiled step so (math: inductor fuses the explicit softmax), and
+``--compile-attention math,explicit`` the compiled step so (math: torch's kernel, which computes bf16 in
+fp32; explicit: the model's explicit path, bf16 products and an fp32 softmax that inductor fuses), and
 ``--inductor coordinate_descent_tuning=true`` compiles once more with those inductor settings, and
 ``--bf16-stream`` trains eager and compiled with the residual stream in bf16 (each embedding's and layer
 norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32), and compiled with both
@@ -51,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import systems  # noqa: E402
 from run import matmul_peak, train_flops_per_step  # noqa: E402
 from tformer_cli.accel import graphs  # noqa: E402
+from tformer_cli.model.attention import ScaledDotProductAttention, scaled_dot_product_attention  # noqa: E402
 
 # kernel name -> kind, first match wins (cuBLAS/CUTLASS products, torch's attention kernels, ...)
 KINDS = [
@@ -116,7 +118,7 @@ class Variant(NamedTuple):
     label: str
     system: type  # systems.Tformer (eager) or systems.TformerCompiled
     skip: tuple[str, ...] = ()  # speed-layer pieces left out (the fused loss is a GPU piece)
-    attention: SDPBackend | None = None  # the one kernel torch's attention is held to
+    attention: SDPBackend | str | None = None  # the one kernel torch's attention is held to, or "explicit"
     inductor: dict | None = None  # inductor settings to compile under
     bf16_stream: bool = False  # the residual stream in bf16
 
@@ -185,10 +187,35 @@ def record_directly(step):
     return graph.replay
 
 
-def attention_backends(text: str) -> list[SDPBackend]:
-    """"efficient,cudnn" -> those SDPA backends."""
+class ExplicitAttention(torch.nn.Module):
+    """Every attention call through the model's explicit path (``attention_weights``, then the product
+    with V) instead of a fused kernel: under bf16 autocast the products run in bf16 and the softmax in
+    fp32, and inductor fuses the scale, the mask and the softmax into one kernel, with no tiles of 64 or
+    128 positions for ~27-token sentences. (torch's own math kernel, ``--compile-attention math``,
+    computes bf16 inputs in fp32 throughout.)"""
+
+    def forward(self, q, k, v, mask=None, dropout_p=0.0, need_weights=False, is_causal=False):  # noqa: ANN001
+        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p, need_weights=True, is_causal=is_causal)
+        return out, weights if need_weights else None
+
+
+def explicit_attention(model: torch.nn.Module) -> None:
+    """``ExplicitAttention`` in place of each of ``model``'s attention modules."""
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, ScaledDotProductAttention):
+                setattr(module, name, ExplicitAttention())
+
+
+def attention_label(attention: SDPBackend | str) -> str:
+    return "attention explicit (bf16 products, fp32 softmax)" if attention == "explicit" \
+        else f"attention by {attention.name}"
+
+
+def attention_backends(text: str) -> list[SDPBackend | str]:
+    """"efficient,cudnn" -> those SDPA backends; "explicit": the model's explicit path (``ExplicitAttention``)."""
     names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH, "explicit": "explicit"}
     unknown = [name for name in filter(None, text.split(",")) if name not in names]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown {','.join(unknown)}: choose from {', '.join(names)}")
@@ -196,12 +223,12 @@ def attention_backends(text: str) -> list[SDPBackend]:
 
 
 @contextmanager
-def compile_cache_for(backend: SDPBackend | None):
+def compile_cache_for(backend: SDPBackend | str | None):
     """torch.compile's on-disk caches in a folder of their own while attention is held to ``backend``:
     their keys leave out which attention kernel was chosen (pytorch/pytorch#185449), so a variant
     compiled after another would run the other's kernel, from the cache. The folder sits inside the
     usual one, so that gpu.sh carries it too."""
-    if backend is None:
+    if not isinstance(backend, SDPBackend):  # the default kernel, or the explicit path (a graph of its own)
         yield
         return
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -304,17 +331,17 @@ def main() -> None:
     variants = [BASELINES[name] for name in args.baselines]
     if args.no_compile:  # the eager baselines only
         variants = [variant for variant in variants if variant.system is systems.Tformer]
-    variants += [Variant(f"train, eager, attention by {b.name}", systems.Tformer, attention=b) for b in args.attention]
+    variants += [Variant(f"train, eager, {attention_label(b)}", systems.Tformer, attention=b) for b in args.attention]
     if args.bf16_stream:
         variants.append(Variant("train, eager, residual stream in bf16", systems.Tformer, bf16_stream=True))
     compiled, how = ((systems.TformerCompiled, "compiled") if args.experiments_compile == "graph"
                      else (systems.TformerLayersCompiled, "compiled layer by layer"))
     if not args.no_compile:
-        variants += [Variant(f"train, {how}, attention by {b.name}", compiled, attention=b)
+        variants += [Variant(f"train, {how}, {attention_label(b)}", compiled, attention=b)
                      for b in args.compile_attention]
         if args.bf16_stream:
             variants.append(Variant(f"train, {how}, residual stream in bf16", compiled, bf16_stream=True))
-            variants += [Variant(f"train, {how}, attention by {b.name}, residual stream in bf16", compiled,
+            variants += [Variant(f"train, {how}, {attention_label(b)}, residual stream in bf16", compiled,
                                  attention=b, bf16_stream=True) for b in args.compile_attention]  # both at once
         if args.inductor:
             settings = ", ".join(f"{key}={value}" for key, value in args.inductor.items())
@@ -324,10 +351,12 @@ def main() -> None:
         system = variant.system(size, device)
         if variant.bf16_stream:
             bf16_stream(system.model)
+        if variant.attention == "explicit":
+            explicit_attention(system.model)
         batch = itertools.cycle(batches)
         # a context a step (sdpa_kernel's is used up on exit)
-        kernels = (lambda backend=variant.attention: sdpa_kernel(backend)) if variant.attention is not None \
-            else nullcontext
+        kernels = (lambda backend=variant.attention: sdpa_kernel(backend)) \
+            if isinstance(variant.attention, SDPBackend) else nullcontext
         torch._dynamo.reset()  # each compiled variant compiles afresh, not from the graphs of the one before
         if variant.inductor:
             import torch._inductor.config as inductor

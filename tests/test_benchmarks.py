@@ -163,15 +163,16 @@ def test_the_compiled_peer_compiles_once_for_every_shape_and_computes_what_the_e
 def test_the_step_profile_sorts_a_steps_time_into_kinds_on_a_cpu():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py"
     result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "host", "--tokens", "300",
-                             "--steps", "1", "--sentences", "3", "--no-compile", "--attention", "math"],
+                             "--steps", "1", "--sentences", "3", "--no-compile", "--attention", "math,explicit"],
                             capture_output=True, text=True, check=True)
     sections = [line for line in result.stdout.splitlines() if line.startswith("== ")]
-    assert [s.split(":")[0] for s in sections[2:]] == ["== train, eager", "== train, eager, the loss unfused",
-                                                       "== train, eager, attention by MATH"]
+    assert [s.split(":")[0] for s in sections[2:]] == [
+        "== train, eager", "== train, eager, the loss unfused", "== train, eager, attention by MATH",
+        "== train, eager, attention explicit (bf16 products, fp32 softmax)"]
     assert sections[0].startswith("== greedy") and sections[1].startswith("== beam 4")
     assert all("busy" in s for s in sections)
     assert "matmul" in result.stdout and "costliest:" in result.stdout
-    assert len(re.findall(r"target tokens/s, MFU 0\.\d{3}", result.stdout)) == 3  # each training variant
+    assert len(re.findall(r"target tokens/s, MFU 0\.\d{3}", result.stdout)) == 4  # each training variant
 
 
 def test_packed_attention_computes_what_the_padded_model_computes_on_a_cpu():
@@ -186,6 +187,17 @@ def test_packed_attention_computes_what_the_padded_model_computes_on_a_cpu():
     assert table[""] == ["padded", "packed"]
     assert set(table) == {"", "encoder self", "decoder self", "cross", "all"}
     assert all(float(ms) > 0 for row in ("encoder self", "decoder self", "cross", "all") for ms in table[row])
+
+
+@pytest.mark.slow  # compiles the explicit attention for each batch and kind, ~15 s
+def test_the_compiled_explicit_attention_computes_what_the_padded_model_computes_on_a_cpu():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_packing.py"
+    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "small", "--tokens", "600",
+                             "--steps", "2", "--variants", "padded,explicit", "--repeats", "1"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "explicit:" not in result.stdout  # not left out for differing from padded (or failing)
+    assert result.stdout.splitlines()[1].split() == ["padded", "explicit"]
 
 
 def test_a_packed_row_holds_whole_sentences_up_to_its_length(monkeypatch):
@@ -248,3 +260,26 @@ def test_a_compiled_variant_held_to_math_attention_runs_it_after_another_compile
     default, math = operators(None), operators(SDPBackend.MATH)
     assert any("flash_attention" in name for name in default)
     assert not any("flash_attention" in name for name in math) and "aten::bmm" in math
+
+
+def test_the_explicit_attention_experiment_computes_the_models_attention(monkeypatch):
+    """profile_step's ``--compile-attention explicit`` swaps the model's explicit path in for every
+    attention call: the same logits as the plain model's fused kernel, with a padded source."""
+    import torch
+
+    from tformer_cli.config import ModelConfig
+    from tformer_cli.model import build_model
+
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    from profile_step import ExplicitAttention, explicit_attention
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(d_model=32, num_heads=4, num_encoder_layers=2, num_decoder_layers=2, d_ff=64),
+                        50).eval()
+    src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
+    src[0, 4:] = 0  # padding
+    expected = model(src, tgt)
+    explicit_attention(model)
+    swapped = [m for m in model.modules() if isinstance(m, ExplicitAttention)]
+    assert len(swapped) == 2 + 2 * 2  # each encoder layer's, each decoder layer's two
+    torch.testing.assert_close(model(src, tgt), expected)
