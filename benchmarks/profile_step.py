@@ -19,6 +19,7 @@ torch's attention held to each of those kernels (``torch.nn.attention.sdpa_kerne
 ``--compile-attention math,explicit`` the compiled step so (math: torch's kernel, which computes bf16 in
 fp32; explicit: the model's explicit path, bf16 products and an fp32 softmax that inductor fuses), and
 ``--inductor coordinate_descent_tuning=true`` compiles once more with those inductor settings, and
+``--loss-chunks 2048,16384`` runs the eager step with the loss's logits formed that many tokens at a time,
 ``--bf16-stream`` trains eager and compiled with the residual stream in bf16 (each embedding's and layer
 norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32), and compiled with both
 that and each ``--compile-attention`` kernel (what the two buy together). On a GPU each compiled
@@ -121,6 +122,7 @@ class Variant(NamedTuple):
     attention: SDPBackend | str | None = None  # the one kernel torch's attention is held to, or "explicit"
     inductor: dict | None = None  # inductor settings to compile under
     bf16_stream: bool = False  # the residual stream in bf16
+    loss_chunk: int | None = None  # tokens a chunk of the fused loss (tformer_cli.loss), instead of its default
 
 
 BASELINES = {  # the standard training variants (--baselines)
@@ -241,6 +243,20 @@ def compile_cache_for(backend: SDPBackend | str | None):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = usual
 
 
+@contextmanager
+def loss_chunk(device: torch.device, tokens: int | None):
+    """The fused loss forms its logits ``tokens`` at a time on ``device``'s kind (None: its default)."""
+    from tformer_cli import loss
+
+    name = "GPU_CHUNK_TOKENS" if device.type == "cuda" else "CHUNK_TOKENS"
+    default = getattr(loss, name)
+    setattr(loss, name, tokens or default)
+    try:
+        yield
+    finally:
+        setattr(loss, name, default)
+
+
 def profile_decoding(args: argparse.Namespace, size: systems.Size, device: torch.device, autocast) -> None:  # noqa: ANN001
     """A greedy and a beam-4 batch of paper-scale decoding: a step at a time and as CUDA graphs, under
     autocast and (on a GPU) with the model held in bf16. The model is freed on return, before training."""
@@ -291,7 +307,11 @@ def main() -> None:
     parser.add_argument("--no-train", action="store_true", help="profile decoding only")
     parser.add_argument("--no-decode", action="store_true", help="profile training only")
     parser.add_argument("--attention", type=attention_backends, default=[],
-                        help="eager variants with attention held to these kernels: flash, efficient, cudnn, math")
+                        help="eager variants with attention held to these kernels: flash, efficient, cudnn, math, "
+                             "explicit")
+    parser.add_argument("--loss-chunks", type=lambda text: [int(n) for n in text.split(",") if n], default=[],
+                        help="eager variants with the loss's logits made this many tokens at a time (default 8,192 "
+                             "on a GPU): how the passes over them and the projection's gradient trade")
     parser.add_argument("--compile-attention", type=attention_backends, default=[],
                         help="compiled variants with attention held to these kernels")
     parser.add_argument("--inductor", type=inductor_settings, default={},
@@ -332,6 +352,8 @@ def main() -> None:
     if args.no_compile:  # the eager baselines only
         variants = [variant for variant in variants if variant.system is systems.Tformer]
     variants += [Variant(f"train, eager, {attention_label(b)}", systems.Tformer, attention=b) for b in args.attention]
+    variants += [Variant(f"train, eager, the loss {n:,} tokens a chunk", systems.Tformer, loss_chunk=n)
+                 for n in args.loss_chunks]
     if args.bf16_stream:
         variants.append(Variant("train, eager, residual stream in bf16", systems.Tformer, bf16_stream=True))
     compiled, how = ((systems.TformerCompiled, "compiled") if args.experiments_compile == "graph"
@@ -370,7 +392,7 @@ def main() -> None:
                 system.train_step(next(batch))
 
         try:
-            with compile_cache_for(variant.attention):
+            with compile_cache_for(variant.attention), loss_chunk(device, variant.loss_chunk):
                 measure(variant.label, train_step, device, len(batches), warmup=2 * len(batches), rate=rate)
         except Exception as error:  # noqa: BLE001 (a variant that fails on this torch does not stop the rest)
             print(f"\n== {variant.label}: failed: {type(error).__name__}: {str(error).splitlines()[0]}")

@@ -163,16 +163,18 @@ def test_the_compiled_peer_compiles_once_for_every_shape_and_computes_what_the_e
 def test_the_step_profile_sorts_a_steps_time_into_kinds_on_a_cpu():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py"
     result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "host", "--tokens", "300",
-                             "--steps", "1", "--sentences", "3", "--no-compile", "--attention", "math,explicit"],
+                             "--steps", "1", "--sentences", "3", "--no-compile", "--attention", "math,explicit",
+                             "--loss-chunks", "64"],
                             capture_output=True, text=True, check=True)
     sections = [line for line in result.stdout.splitlines() if line.startswith("== ")]
     assert [s.split(":")[0] for s in sections[2:]] == [
         "== train, eager", "== train, eager, the loss unfused", "== train, eager, attention by MATH",
-        "== train, eager, attention explicit (bf16 products, fp32 softmax)"]
+        "== train, eager, attention explicit (bf16 products, fp32 softmax)",
+        "== train, eager, the loss 64 tokens a chunk"]
     assert sections[0].startswith("== greedy") and sections[1].startswith("== beam 4")
     assert all("busy" in s for s in sections)
     assert "matmul" in result.stdout and "costliest:" in result.stdout
-    assert len(re.findall(r"target tokens/s, MFU 0\.\d{3}", result.stdout)) == 4  # each training variant
+    assert len(re.findall(r"target tokens/s, MFU 0\.\d{3}", result.stdout)) == 5  # each training variant
 
 
 def test_packed_attention_computes_what_the_padded_model_computes_on_a_cpu():
