@@ -4,6 +4,7 @@ dtypes, no data, nothing computed), counting the bytes of every tensor storage w
 
     python benchmarks/predict_memory.py                         # base and big, tformer and every training peer
     python benchmarks/predict_memory.py --sizes base --tokens 25000 --systems tformer,marian
+    python benchmarks/predict_memory.py --systems tformer --explicit-attention --bf16-stream   # its experiments
 
 What it counts is what ``torch.cuda.max_memory_allocated`` counts in the suite's ``memory`` workload
 (parameters, gradients, AdamW's state, activations saved for the backward pass, temporaries), without
@@ -68,10 +69,18 @@ class LiveBytes(TorchDispatchMode):
         self.refs.pop(key, None)
 
 
-def predict(system_key: str, size: systems.Size, batches: list[systems.TrainBatch]) -> float:
-    """Peak MiB of one system training on ``batches``, a step each."""
+def predict(system_key: str, size: systems.Size, batches: list[systems.TrainBatch],
+            experiments: tuple[str, ...] = ()) -> float:
+    """Peak MiB of one system training on ``batches``, a step each; tformer with ``experiments``
+    (profile_step.py's "explicit" attention, its "bf16-stream") where given."""
+    from profile_step import bf16_stream, explicit_attention
+
     with FakeTensorMode(allow_non_fake_inputs=True):
         system = TRAINING[system_key](size, torch.device("cpu"), fused=True)  # the suite's memory workload
+        if system_key == "tformer":
+            for experiment, apply in (("explicit", explicit_attention), ("bf16-stream", bf16_stream)):
+                if experiment in experiments:
+                    apply(system.model)
         parameters = sum(p.numel() * p.element_size() for p in system.model.parameters())
         with LiveBytes() as live:
             for batch in batches:
@@ -90,7 +99,13 @@ def main() -> None:
     parser.add_argument("--sentences", type=systems.at_least(1),
                         help="instead, the suite's fixed step at the default scale: this many sentences of 24 "
                              "tokens, 3 steps")
+    parser.add_argument("--explicit-attention", action="store_true",
+                        help="tformer's attention through its explicit path (profile_step.py's --compile-attention "
+                             "explicit)")
+    parser.add_argument("--bf16-stream", action="store_true",
+                        help="tformer's residual stream in bf16 (profile_step.py --bf16-stream)")
     args = parser.parse_args()
+    experiments = ("explicit",) * args.explicit_attention + ("bf16-stream",) * args.bf16_stream
     for option, given, known in (("--sizes", args.sizes, systems.SIZES), ("--systems", args.systems, TRAINING)):
         unknown = sorted(set(given.split(",")) - set(known))
         if unknown:
@@ -104,7 +119,7 @@ def main() -> None:
         size, cpu = systems.SIZES[size_name], torch.device("cpu")
         batches = ([systems.make_batch(size, args.sentences, 24, cpu)] * 3 if args.sentences
                    else systems.paper_batches(size, args.tokens, args.steps, cpu))
-        peaks = {key: predict(key, size, batches) for key in args.systems.split(",")}
+        peaks = {key: predict(key, size, batches, experiments) for key in args.systems.split(",")}
         for key, peak in peaks.items():
             print(f"{size_name:5} {key:14} {peak:9,.0f} MiB")
         peers = {key: peak for key, peak in peaks.items() if key != "tformer"}

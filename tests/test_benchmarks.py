@@ -236,6 +236,21 @@ def test_the_memory_prediction_counts_each_storage_while_it_lives():
     assert "tformer / the lowest peer (torch):" in lines[2]
 
 
+@pytest.mark.slow  # three predictions, ~13 s
+def test_the_memory_prediction_takes_profile_steps_experiments():
+    """The explicit path saves each attention call's scores for the backward pass; a bf16 residual stream
+    halves what the layer norms and residual adds save."""
+    script = RUN.parent / "predict_memory.py"
+
+    def peak(*experiments: str) -> float:
+        result = subprocess.run([sys.executable, str(script), "--sizes", "host", "--tokens", "800", "--steps", "1",
+                                 "--systems", "tformer", *experiments], capture_output=True, text=True, check=True)
+        return float(result.stdout.split()[2].replace(",", ""))
+
+    plain, explicit, stream = peak(), peak("--explicit-attention"), peak("--bf16-stream")
+    assert explicit > plain > stream
+
+
 @pytest.mark.slow  # compiles twice, ~10 s
 def test_a_compiled_variant_held_to_math_attention_runs_it_after_another_compiled_the_same_graph(
         monkeypatch, tmp_path):
