@@ -300,3 +300,27 @@ def test_the_explicit_attention_experiment_computes_the_models_attention(monkeyp
     swapped = [m for m in model.modules() if isinstance(m, ExplicitAttention)]
     assert len(swapped) == 2 + 2 * 2  # each encoder layer's, each decoder layer's two
     torch.testing.assert_close(model(src, tgt), expected)
+
+
+def test_decoding_warms_up_on_the_shortest_and_longest_batches_and_times_whole_passes(monkeypatch):
+    """A whole pass over the paper-scale test set costs some peers minutes; warming up needs two batches."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    import run
+    import systems
+
+    decoded: list[int] = []
+
+    class Counting(systems.Tformer):
+        def greedy(self, src, new_tokens):  # noqa: ANN001
+            decoded.append(src.shape[1])
+
+    monkeypatch.setattr(run, "Tformer", Counting)
+    monkeypatch.setattr(run, "PAPER", (600, 1, 40))
+    monkeypatch.setattr(run, "PAPER_DECODE_TOKENS", 300)  # a few batches of the 40 sentences
+    lengths = [src.shape[1] for src, _ in systems.paper_sources(systems.SIZES["small"], 40, run.PAPER_DECODE_TOKENS, 1,
+                                                                torch.device("cpu"))]
+    assert len(lengths) > 2
+    run.run_speed("greedy", "small", torch.device("cpu"), [], repeats=2, warmup=1, peak=1.0)
+    assert decoded == [lengths[0], lengths[-1]] + lengths * 2
