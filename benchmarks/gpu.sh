@@ -60,23 +60,38 @@ export TORCHINDUCTOR_CACHE_DIR=${COMPILE_CACHE_DIR:-/tmp/tformer-compile-cache}
 COMPILE_CACHE=${COMPILE_CACHE:-.compile-cache/inductor.tgz}
 mkdir -p "$RESULTS"
 
-cache-restore() {
+cache-restore() {  # a set of parts that does not unpack (one left behind by a call) is a cold start, not a failed step
     if [[ -d $TORCHINDUCTOR_CACHE_DIR ]]; then
         echo "compile cache: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1) left by an earlier step or call on this machine"
     elif compgen -G "$COMPILE_CACHE.*" > /dev/null; then
         mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
-        cat "$COMPILE_CACHE".* | tar -xzf - -C "$TORCHINDUCTOR_CACHE_DIR"
-        echo "compile cache: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1) restored from $COMPILE_CACHE.*"
+        if cat "$COMPILE_CACHE".* | tar -xzf - -C "$TORCHINDUCTOR_CACHE_DIR"; then
+            echo "compile cache: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1) restored from $COMPILE_CACHE.*"
+        else
+            rm -rf "$TORCHINDUCTOR_CACHE_DIR"
+            echo "compile cache: cold ($COMPILE_CACHE.* did not unpack: a part missing or cut short?)"
+        fi
     else
         echo "compile cache: cold (no $COMPILE_CACHE.*)"
     fi
 }
+# A call brings back 64 MiB of files and carries 64 MiB with the wheels and the data: a packed cache
+# over $COMPILE_CACHE_MAX MiB (default 40) is not saved, as its parts could not all come back.
 cache-save() {  # the parts written under new names, then renamed: a call cut off mid-write leaves the last whole set
     [[ -n ${COMPILE_CACHE_SAVE:-} && -d $TORCHINDUCTOR_CACHE_DIR ]] || return 0
-    mkdir -p "$COMPILE_CACHE_SAVE"
-    tar -czf - -C "$TORCHINDUCTOR_CACHE_DIR" . | split -b 15M -d -a 1 - "$COMPILE_CACHE_SAVE/inductor.tgz.new."
-    rm -f "$COMPILE_CACHE_SAVE"/inductor.tgz.[0-9]
-    for part in "$COMPILE_CACHE_SAVE"/inductor.tgz.new.*; do mv "$part" "${part/.new/}"; done
+    local packed bytes
+    packed=$(mktemp)
+    tar -czf "$packed" -C "$TORCHINDUCTOR_CACHE_DIR" .
+    bytes=$(stat -c %s "$packed")
+    if (( bytes > ${COMPILE_CACHE_MAX:-40} << 20 )); then
+        echo "compile cache: $(( (bytes >> 20) + 1 )) MiB packed, over COMPILE_CACHE_MAX=${COMPILE_CACHE_MAX:-40}: not saved" >&2
+    else
+        mkdir -p "$COMPILE_CACHE_SAVE"
+        split -b 15M -d -a 1 "$packed" "$COMPILE_CACHE_SAVE/inductor.tgz.new."
+        rm -f "$COMPILE_CACHE_SAVE"/inductor.tgz.[0-9]
+        for part in "$COMPILE_CACHE_SAVE"/inductor.tgz.new.*; do mv "$part" "${part/.new/}"; done
+    fi
+    rm -f "$packed"
 }
 
 tests() {
