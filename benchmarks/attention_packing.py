@@ -47,7 +47,7 @@ import systems  # noqa: E402
 VARIANTS = ("padded", "explicit", "packed", "flex", "varlen")
 KINDS = ("encoder self", "decoder self", "cross")
 _flex = None  # flex_attention, compiled
-_explicit = None  # explicit_attention, compiled
+_explicit = None  # attend_explicitly, compiled
 
 
 def rows_of(lengths: list[int], row: int) -> list[list[int]]:
@@ -123,13 +123,14 @@ class Batch:
         return x.transpose(1, 2).reshape(B * T, H, d)[index]
 
 
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                       causal: bool) -> torch.Tensor:
-    """The model's explicit attention under autocast in q's dtype: products in it, softmax in fp32."""
-    from tformer_cli.model.attention import attention_weights
+def attend_explicitly(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      causal: bool) -> torch.Tensor:
+    """The model's explicit path (``scaled_dot_product_attention`` with its weights, as profile_step's
+    ``ExplicitAttention`` runs it) under autocast in q's dtype: products in it, softmax in fp32."""
+    from tformer_cli.model.attention import scaled_dot_product_attention
 
     with torch.autocast(q.device.type, dtype=q.dtype, enabled=q.dtype != torch.float32):
-        return attention_weights(q, k, mask, causal) @ v
+        return scaled_dot_product_attention(q, k, v, mask, need_weights=True, is_causal=causal)[0]
 
 
 def compiled_per_shape(function):  # noqa: ANN001, ANN201
@@ -153,7 +154,7 @@ def layout(name: str, batch: Batch, q, k, v):  # noqa: ANN001
                 lambda out: Batch.take(out, batch.q_real))
     if name == "explicit":
         global _explicit
-        _explicit = _explicit or compiled_per_shape(explicit_attention)
+        _explicit = _explicit or compiled_per_shape(attend_explicitly)
         mask = batch.padded_mask()
         return (leaves(q, k, v), lambda q, k, v: _explicit(q, k, v, mask, batch.causal),
                 lambda out: Batch.take(out, batch.q_real))
