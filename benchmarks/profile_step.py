@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import systems  # noqa: E402
-from run import matmul_peak, train_flops_per_step  # noqa: E402
+from run import flops_per_target_token, matmul_peak  # noqa: E402
 from tformer_cli.accel import graphs  # noqa: E402
 from tformer_cli.model.attention import ScaledDotProductAttention, scaled_dot_product_attention  # noqa: E402
 
@@ -214,6 +214,11 @@ def attention_label(attention: SDPBackend | str) -> str:
         else f"attention by {attention.name}"
 
 
+def token_counts(text: str) -> list[int]:
+    """"512,2048" -> [512, 2048]: each a whole number of at least 1."""
+    return [systems.at_least(1)(n) for n in text.split(",") if n]
+
+
 def attention_backends(text: str) -> list[SDPBackend | str]:
     """"efficient,cudnn" -> those SDPA backends; "explicit": the model's explicit path (``ExplicitAttention``)."""
     names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -309,7 +314,7 @@ def main() -> None:
     parser.add_argument("--attention", type=attention_backends, default=[],
                         help="eager variants with attention held to these kernels: flash, efficient, cudnn, math, "
                              "explicit")
-    parser.add_argument("--loss-chunks", type=lambda text: [int(n) for n in text.split(",") if n], default=[],
+    parser.add_argument("--loss-chunks", type=token_counts, default=[],
                         help="eager variants with the loss's logits made this many tokens at a time (default 8,192 "
                              "on a GPU): how the passes over them and the projection's gradient trade")
     parser.add_argument("--compile-attention", type=attention_backends, default=[],
@@ -339,8 +344,7 @@ def main() -> None:
         return
     batches = systems.paper_batches(size, args.tokens, args.steps, device)
     target = sum(b.target_tokens for b in batches) / len(batches)
-    source = sum(int((b.src != systems.PAD).sum()) for b in batches) / len(batches)
-    flops = train_flops_per_step(args.size, target, source / target)
+    flops = flops_per_target_token(args.size, batches) * target  # a step's
     peak = matmul_peak(device, systems.PRECISION)
     print(f"\ntraining: {len(batches)} batches, {target:,.0f} target tokens each on average; the "
           f"{systems.PRECISION} matrix peak measured here {peak / 1e12:,.1f} TFLOP/s")

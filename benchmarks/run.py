@@ -122,14 +122,16 @@ def _alternate(systems, operation, work: float, device, repeats: int, warmup: in
     return rates, warmup_s
 
 
-def train_flops_per_step(size_name: str, target_tokens: int, src_per_tgt: float = 1.0) -> float:
+def flops_per_target_token(size_name: str, batches: list) -> float:
+    """The model FLOPs a target token of training on ``batches`` costs (its source tokens' share included)."""
     from tformer_cli.config import ModelConfig
     from tformer_cli.params import train_flops_per_token
 
     s = SIZES[size_name]
     cfg = ModelConfig(d_model=s.d_model, num_heads=s.heads, num_encoder_layers=s.layers,
                       num_decoder_layers=s.layers, d_ff=s.d_ff)
-    return train_flops_per_token(cfg, s.vocab, src_per_tgt=src_per_tgt) * target_tokens
+    src_per_tgt = sum(int((b.src != PAD).sum()) for b in batches) / sum(b.target_tokens for b in batches)
+    return train_flops_per_token(cfg, s.vocab, src_per_tgt=src_per_tgt)
 
 
 def train_batches(size: str, device, train_batch: int) -> list:
@@ -147,10 +149,9 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
     if workload == "train":
         batches = train_batches(size, device, train_batch)
         target = sum(b.target_tokens for b in batches)
-        src_per_tgt = sum(int((b.src != PAD).sum()) for b in batches) / target
         rates, warmup_s = _alternate(contenders, lambda s: [s.train_step(b) for b in batches], target, device,
                                      repeats, warmup)
-        unit, flops = "target tok/s", train_flops_per_step(size, 1, src_per_tgt)
+        unit, flops = "target tok/s", flops_per_target_token(size, batches)
     else:
         batch_size, beams = (64, 1) if workload == "greedy" else (16, 4)
         batch_size = 1 if size == "host" else batch_size
