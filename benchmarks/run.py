@@ -164,14 +164,15 @@ def run_speed(workload: str, size: str, device, peers, repeats, warmup, peak, tr
         if workload == "beam":
             contenders = [s for s in contenders if s.supports_beam]
 
-        def op(system, batches=batches):
+        def decode(system, batches):
             for src, new_tokens in batches:
                 system.greedy(src, new_tokens) if beams == 1 else system.beam(src, new_tokens, beams)
 
         # the test set warms up on its shortest and longest batches: a whole pass costs some peers minutes
         # (Marian's beam 4 on an H100, 2026-11-27), and nothing decoding compiles needs more
-        warm = (lambda system: op(system, [batches[0], batches[-1]])) if len(batches) > 2 else op
-        rates, warmup_s = _alternate(contenders, op, work, device, repeats, warmup, warm)
+        warm_batches = [batches[0], batches[-1]] if len(batches) > 2 else batches
+        rates, warmup_s = _alternate(contenders, lambda system: decode(system, batches), work, device, repeats,
+                                     warmup, lambda system: decode(system, warm_batches))
         flops = None
     records = []
     for name, values in rates.items():
