@@ -21,6 +21,7 @@ import argparse
 import sys
 import warnings
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -70,17 +71,13 @@ class LiveBytes(TorchDispatchMode):
 
 
 def predict(system_key: str, size: systems.Size, batches: list[systems.TrainBatch],
-            experiments: tuple[str, ...] = ()) -> float:
-    """Peak MiB of one system training on ``batches``, a step each; tformer with ``experiments``
-    (profile_step.py's "explicit" attention, its "bf16-stream") where given."""
-    from profile_step import bf16_stream, explicit_attention
-
+            experiments: Sequence[Callable[[torch.nn.Module], None]] = ()) -> float:
+    """Peak MiB of one system training on ``batches``, a step each; tformer's model changed by each of
+    ``experiments`` first (profile_step.py's ``explicit_attention``, ``bf16_stream``)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         system = TRAINING[system_key](size, torch.device("cpu"), fused=True)  # the suite's memory workload
-        if system_key == "tformer":
-            for experiment, apply in (("explicit", explicit_attention), ("bf16-stream", bf16_stream)):
-                if experiment in experiments:
-                    apply(system.model)
+        for experiment in experiments if system_key == "tformer" else ():
+            experiment(system.model)
         parameters = sum(p.numel() * p.element_size() for p in system.model.parameters())
         with LiveBytes() as live:
             for batch in batches:
@@ -105,7 +102,9 @@ def main() -> None:
     parser.add_argument("--bf16-stream", action="store_true",
                         help="tformer's residual stream in bf16 (profile_step.py --bf16-stream)")
     args = parser.parse_args()
-    experiments = ("explicit",) * args.explicit_attention + ("bf16-stream",) * args.bf16_stream
+    from profile_step import bf16_stream, explicit_attention
+
+    experiments = [explicit_attention] * args.explicit_attention + [bf16_stream] * args.bf16_stream
     for option, given, known in (("--sizes", args.sizes, systems.SIZES), ("--systems", args.systems, TRAINING)):
         unknown = sorted(set(given.split(",")) - set(known))
         if unknown:
