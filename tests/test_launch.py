@@ -1,9 +1,11 @@
-"""``tformer train --nproc-per-node N``: the processes torchrun would start, trained the same, with a
-mistake, a killed process and Ctrl-C each told in one line and no launcher traceback."""
+"""``tformer train --nproc-per-node N [--nnodes M --rdzv-endpoint HOST:PORT]``: the processes torchrun
+would start, trained the same, with a mistake, machines that do not meet, a killed process and Ctrl-C
+each told in one line and no launcher traceback."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -48,6 +50,44 @@ def test_two_launched_processes_train_as_one_process_accumulating_two_batches(tm
     _assert_same_losses(one, two)
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_machines_train_as_one_process_accumulating_two_batches(tmp_path, config):
+    """Two launchers that meet at one endpoint (two machines, here both this one), a process each."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert CliRunner().invoke(app, ["train", str(config), "--output-dir", str(one), "--quiet", "--set",
+                                    "train.grad_accum=2"]).exit_code == 0
+    machine = ["train", str(config), "--output-dir", str(two), "--nnodes", "2", "--rdzv-endpoint",
+               f"localhost:{_free_port()}", "--json"]
+    launchers = [_tformer(*machine) for _ in range(2)]
+    outputs = [launcher.communicate(timeout=300) for launcher in launchers]
+    for launcher, (_, err) in zip(launchers, outputs):
+        assert launcher.returncode == 0 and not err, err[-3000:]
+    assert sorted(json.loads(out)["step"] for out, _ in outputs if out) == [4]  # rank 0 alone prints
+    assert [c.name for c in step_checkpoints(two)] == [c.name for c in step_checkpoints(one)]
+    for checkpoint in step_checkpoints(one):
+        _assert_same_weights(one, two, f"checkpoints/{checkpoint.name}")
+    _assert_same_losses(one, two)
+
+
+def test_machines_that_do_not_all_come_are_one_line(tmp_path, config, monkeypatch):
+    monkeypatch.setattr(launch, "JOIN_TIMEOUT_S", 2)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the launcher marks its environment for its processes
+    endpoint = f"localhost:{_free_port()}"
+    result = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "run"), "--nnodes", "2",
+                                      "--rdzv-endpoint", endpoint])
+    assert result.exit_code == 1
+    assert result.output.splitlines() == [f"error: --nnodes 2: not all the machines came to {endpoint} within 2 s; "
+                                          "start this command on each of them, with the same --nnodes and "
+                                          "--rdzv-endpoint"]
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--set", "train.lr=-1"], "error: --set train.lr: must be > 0, got -1.0"),
     (["--nproc-per-node", "0"], "error: --nproc-per-node 0: give a number of processes (1 or more), or gpu"),
@@ -55,6 +95,17 @@ def test_two_launched_processes_train_as_one_process_accumulating_two_batches(tm
     pytest.param(["--nproc-per-node", "gpu"], "error: --nproc-per-node gpu: this machine has no GPU that torch can "
                  "see; give a number", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")),
     (["--device", "cuda:7"], None),  # the device is checked before any process starts
+    (["--nnodes", "2"], "error: --nnodes 2: give --rdzv-endpoint HOST:PORT, where the machines meet (one of them, "
+                        "the same on each)"),
+    (["--nnodes", "0"], "error: --nnodes 0: give a number of machines (1 or more)"),
+    (["--rdzv-endpoint", "node1:29500"], "error: --rdzv-endpoint: give --nnodes too, the number of machines that "
+                                         "meet there"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node1"], "error: --rdzv-endpoint node1: give HOST:PORT (e.g. "
+                                                    "node1:29500), where the machines meet"),
+    (["--nnodes", "2", "--rdzv-endpoint", ":29500"], "error: --rdzv-endpoint :29500: give HOST:PORT (e.g. "
+                                                     "node1:29500), where the machines meet"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node1:65536"], "error: --rdzv-endpoint node1:65536: give HOST:PORT (e.g. "
+                                                          "node1:29500), where the machines meet"),
 ])
 def test_a_mistake_is_one_line_before_any_process_starts(tmp_path, config, monkeypatch, args, message):
     monkeypatch.setattr(launch, "launch", lambda *args: pytest.fail("processes started"))
@@ -66,10 +117,11 @@ def test_a_mistake_is_one_line_before_any_process_starts(tmp_path, config, monke
     assert not (tmp_path / "run").exists()
 
 
-def test_a_process_that_torchrun_started_refuses_to_start_more(tmp_path, config, monkeypatch):
+@pytest.mark.parametrize("args", [["--nproc-per-node", "2"], ["--nnodes", "2", "--rdzv-endpoint", "node1:29500"]])
+def test_a_process_that_torchrun_started_refuses_to_start_more(tmp_path, config, monkeypatch, args):
     monkeypatch.setenv("LOCAL_RANK", "0")
-    result = CliRunner().invoke(app, ["train", str(config), "--nproc-per-node", "2"])
-    assert result.exit_code == 1 and result.output.startswith("error: --nproc-per-node: this process was started by "
+    result = CliRunner().invoke(app, ["train", str(config), *args])
+    assert result.exit_code == 1 and result.output.startswith(f"error: {args[0]}: this process was started by "
                                                               "torchrun")
 
 
@@ -78,11 +130,12 @@ def test_the_processes_get_the_command_line_that_gives_the_same_options(tmp_path
     what this process parsed."""
     command = typer.main.get_command(app).commands["train"]
     given = ["cfg.yaml", "--set", "train.lr=1", "--set", "model.d_model=64", "--device", "cpu", "--output-dir",
-             str(tmp_path), "--overwrite", "--quiet", "--json", "--nproc-per-node", "4"]
+             str(tmp_path), "--overwrite", "--quiet", "--json", "--nproc-per-node", "4", "--nnodes", "2",
+             "--rdzv-endpoint", "node1:29500"]
     options = command.make_context("train", list(given)).params
-    assert set(options) == {*launch.TRAIN_FLAGS, "config", "nproc_per_node"}
+    assert set(options) == {*launch.TRAIN_FLAGS, "config", *launch.LAUNCH_FLAGS}
     passed = command.make_context("train", launch.command_line(options)).params
-    assert passed == {**options, "nproc_per_node": None}
+    assert passed == {**options, **dict.fromkeys(launch.LAUNCH_FLAGS)}  # the launcher's own: not passed on
     resumed = command.make_context("train", ["--resume", "runs/x"]).params
     assert launch.command_line(resumed) == ["--resume", "runs/x"]
 

@@ -18,9 +18,9 @@ from typer.core import TyperGroup
 from tformer_cli import __version__
 from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
-    ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, NprocOpt, QuietOpt, RunArg, SetOpt, check_image_name, check_text)
+    ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, NnodesOpt, NprocOpt, QuietOpt, RdzvOpt, RunArg, SetOpt, check_image_name, check_text)
 from tformer_cli.errors import CheckpointError, ConfigError, Interrupted, TformerError, UsageError, out_of_memory
-from tformer_cli.launch import launch_training, launched, launched_rank, process_count
+from tformer_cli.launch import launch_training, launched, launched_rank, training_group
 
 
 class _ErrorBoundary(TyperGroup):
@@ -118,6 +118,8 @@ def train(
     quiet: QuietOpt = False,
     json_output: JsonOpt = False,
     nproc_per_node: NprocOpt = None,
+    nnodes: NnodesOpt = None,
+    rdzv_endpoint: RdzvOpt = None,
 ) -> None:
     """Train a model from a YAML config; checkpoints, metrics and the tokenizer go to a run folder.
 
@@ -126,10 +128,11 @@ def train(
       tformer train configs/small.yaml --set data.dataset=../shared/data/multi30k --device cuda
       tformer train --resume runs/demo --set train.max_steps=4000
       tformer train configs/base.yaml --nproc-per-node 4   [dim](4 GPUs)[/]
+      tformer train configs/big.yaml --nproc-per-node gpu --nnodes 2 --rdzv-endpoint node1:29500   [dim](on both)[/]
     """
-    processes = process_count(nproc_per_node) if nproc_per_node is not None and not launched() else 1
-    if processes > 1:  # this process starts the ones that train
-        raise typer.Exit(launch_training(processes, ctx.params, debug=ctx.find_root().params["debug"]))
+    group = training_group(nproc_per_node, nnodes, rdzv_endpoint) if not launched() else None
+    if group is not None and group.size > 1:  # this process starts the ones that train
+        raise typer.Exit(launch_training(group, ctx.params, debug=ctx.find_root().params["debug"]))
     try:  # a signal here (torch loads for seconds) is answered like one during training
         from tformer_cli import parallel
         from tformer_cli.devices import resolve_device

@@ -29,6 +29,12 @@ DecodeDeviceOpt = Annotated[Optional[str], typer.Option(
 NprocOpt = Annotated[Optional[str], typer.Option(
     "--nproc-per-node", metavar="N|gpu", help="Train with N processes on this machine, one a GPU (train.parallel: "
     "ddp or fsdp), as torchrun --standalone --nproc-per-node N does; gpu: one for each GPU it sees.")]
+NnodesOpt = Annotated[Optional[int], typer.Option(
+    "--nnodes", metavar="M", help="Train on M machines, this command started on each (with the same "
+    "--nproc-per-node); they meet at --rdzv-endpoint, as torchrun --nnodes M --rdzv-backend c10d does.")]
+RdzvOpt = Annotated[Optional[str], typer.Option(
+    "--rdzv-endpoint", metavar="HOST:PORT", help="With --nnodes: where the machines meet, a free port on one of "
+    "them (the same on each).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output (warnings and errors still).")]
 RunArg = Annotated[Path, typer.Argument(help="Run folder (or a checkpoint folder inside it).")]
 

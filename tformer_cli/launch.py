@@ -1,11 +1,13 @@
-"""``tformer train --nproc-per-node N``: N training processes on this machine, started and watched by
-torch's elastic agent as ``torchrun --standalone --nproc-per-node N -m tformer_cli train ...`` starts
-them, behind tformer's error boundary.
+"""``tformer train --nproc-per-node N [--nnodes M --rdzv-endpoint HOST:PORT]``: N training processes on
+this machine (and on each of M machines, which meet at HOST:PORT), started and watched by torch's
+elastic agent as ``torchrun --standalone --nproc-per-node N -m tformer_cli train ...`` starts them
+(``torchrun --nnodes M --rdzv-backend c10d --rdzv-endpoint HOST:PORT ...`` on several machines), behind
+tformer's error boundary.
 
 The config and the command line are checked here first, so a mistake is one line before any process
 starts. After that each process says what stopped it in one line of its own; this launcher adds a line
-only for what a process cannot say itself (it was killed by a signal), and none of torchrun's
-tracebacks. Several machines: torchrun itself (``tformer_cli.parallel``).
+only for what a process cannot say itself (it was killed by a signal; the machines did not meet), and
+none of torchrun's tracebacks. Processes that torchrun started train too (``tformer_cli.parallel``).
 """
 
 from __future__ import annotations
@@ -15,16 +17,62 @@ import os
 import signal
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tformer_cli.errors import UsageError
+from tformer_cli.errors import TformerError, UsageError, first_line
 
 # each option of ``tformer train`` by its parameter's name
 TRAIN_FLAGS = {"resume": "--resume", "overrides": "--set", "device": "--device", "output_dir": "--output-dir",
                "overwrite": "--overwrite", "quiet": "--quiet", "json_output": "--json"}
+LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "rdzv_endpoint")  # this launcher's: not passed on to the processes
 LAUNCHED = "TFORMER_LAUNCHED"  # in the environment of the processes this launcher starts
 STOP_TIMEOUT_S = 120  # how long a process that was told to stop may take to checkpoint before it is killed
+JOIN_TIMEOUT_S = 600  # how long the machines wait at --rdzv-endpoint for each other (torchrun's default)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Where training runs: ``processes`` processes on each of ``machines`` machines, which meet at
+    ``endpoint`` (HOST:PORT; None on one machine)."""
+
+    processes: int = 1
+    machines: int = 1
+    endpoint: str | None = None
+
+    @property
+    def size(self) -> int:
+        return self.processes * self.machines
+
+
+def training_group(nproc_per_node: str | None, nnodes: int | None, rdzv_endpoint: str | None) -> Group:
+    """The group that ``tformer train``'s --nproc-per-node, --nnodes and --rdzv-endpoint ask for.
+
+    Raises:
+        UsageError: as ``process_count`` does; --nnodes under 1; several machines without a HOST:PORT
+            to meet at, or --rdzv-endpoint without --nnodes; several machines asked of a process that
+            torchrun started.
+    """
+    processes = process_count(nproc_per_node) if nproc_per_node is not None else 1
+    if nnodes is None:
+        if rdzv_endpoint is not None:
+            raise UsageError("--rdzv-endpoint: give --nnodes too, the number of machines that meet there")
+        return Group(processes)
+    if nnodes < 1:
+        raise UsageError(f"--nnodes {nnodes}: give a number of machines (1 or more)")
+    if rdzv_endpoint is None:
+        if nnodes > 1:
+            raise UsageError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, where the machines meet (one "
+                             "of them, the same on each)")
+        return Group(processes)
+    host, _, port = rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--rdzv-endpoint {rdzv_endpoint}: give HOST:PORT (e.g. node1:29500), where the machines meet")
+    if nnodes > 1 and "LOCAL_RANK" in os.environ:
+        raise UsageError("--nnodes: this process was started by torchrun, which says how many machines; give the "
+                         "number to torchrun or to tformer train, not both")
+    return Group(processes, nnodes, rdzv_endpoint)
 
 
 def process_count(processes: str) -> int:
@@ -50,10 +98,10 @@ def process_count(processes: str) -> int:
     return count
 
 
-def launch_training(processes: int, options: dict[str, Any], debug: bool = False) -> int:
-    """``tformer train`` with ``options`` (the command's parameters by name) in ``processes`` processes:
-    the command checked here first, so that a mistake is one line before any process starts, then
-    ``launch``. Returns the exit status to end with.
+def launch_training(group: Group, options: dict[str, Any], debug: bool = False) -> int:
+    """``tformer train`` with ``options`` (the command's parameters by name) in this machine's processes
+    of ``group``: the command checked here first, so that a mistake is one line before any process
+    starts, then ``launch``. Returns the exit status to end with.
 
     Raises:
         ConfigError, CheckpointError, UsageError: as ``prepare_run`` raises them.
@@ -62,14 +110,14 @@ def launch_training(processes: int, options: dict[str, Any], debug: bool = False
 
     _, run_dir = prepare_run(options["config"], options["resume"], list(options["overrides"] or []),
                              options["output_dir"], options["overwrite"], main=False, device=options["device"])
-    return launch(processes, ["--debug"] * debug + ["train", *command_line(options)], run_dir)
+    return launch(group, ["--debug"] * debug + ["train", *command_line(options)], run_dir)
 
 
 def command_line(options: dict[str, Any]) -> list[str]:
-    """The arguments of ``tformer train`` that give ``options``, --nproc-per-node left out."""
+    """The arguments of ``tformer train`` that give ``options``, the launcher's own left out."""
     args = [str(options["config"])] if options["config"] is not None else []
     for name, value in options.items():
-        if name in ("config", "nproc_per_node") or value is None or value is False:
+        if name == "config" or name in LAUNCH_FLAGS or value is None or value is False:
             continue
         flag = TRAIN_FLAGS[name]
         if value is True:
@@ -91,13 +139,20 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def launch(processes: int, argv: list[str], run_dir: Path) -> int:
-    """Run ``python -m tformer_cli *argv`` in ``processes`` processes of one group on this machine and
-    wait for them all. Returns the exit status to end with: 0; the status of the process that failed
-    first (which said why); 128 + a signal that killed it (said here); or 128 + a signal that stopped
-    this launcher (passed on to the processes, which checkpoint and say where)."""
+def launch(group: Group, argv: list[str], run_dir: Path) -> int:
+    """Run ``python -m tformer_cli *argv`` in this machine's processes of ``group`` and wait for them all
+    (on several machines, once all have met at its endpoint). Returns the exit status to end with: 0;
+    the status of the process that failed first (which said why); 128 + a signal that killed it (said
+    here); or 128 + a signal that stopped this launcher (passed on to the processes, which checkpoint and
+    say where).
+
+    Raises:
+        TformerError: the machines did not meet: not all came within ``JOIN_TIMEOUT_S``, or the endpoint
+            cannot be reached.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from tformer_cli.render import error_lines
@@ -108,9 +163,12 @@ def launch(processes: int, argv: list[str], run_dir: Path) -> int:
     os.environ[LAUNCHED] = "1"
     # torchrun's default is 1 thread a process; the machine's cores shared out keeps a CPU run as fast
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // processes)))
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=processes, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // group.processes)))
+    # the machines' agents meet in the run's name: two runs given one endpoint by mistake do not mix
+    run_id = f"tformer-{run_dir.name}" if group.endpoint else str(uuid.uuid4())
+    config = LaunchConfig(min_nodes=group.machines, max_nodes=group.machines, nproc_per_node=group.processes,
+                          run_id=run_id, rdzv_backend="c10d", rdzv_endpoint=group.endpoint or "localhost:0",
+                          rdzv_configs={"join_timeout": JOIN_TIMEOUT_S}, max_restarts=0,
                           shutdown_timeout=STOP_TIMEOUT_S)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "tformer_cli", *argv)
@@ -118,9 +176,20 @@ def launch(processes: int, argv: list[str], run_dir: Path) -> int:
         rank, failure = failed.get_first_failure()
         if failure.exitcode >= 0:
             return failure.exitcode
-        error_lines(f"training process {rank} of {processes} was killed by {failure.signal_name()} (the others were "
-                    f"stopped); the run goes on from its last checkpoint with: tformer train --resume {run_dir}")
+        again = " on every machine, with the same --nnodes and --rdzv-endpoint" if group.machines > 1 else ""
+        error_lines(f"training process {rank} of {group.size} was killed by {failure.signal_name()} (the others "
+                    f"were stopped); the run goes on from its last checkpoint with: tformer train --resume "
+                    f"{run_dir}{again}")
         return 128 - failure.exitcode
     except SignalException as stopped:
         return 128 + signal.Signals(stopped.sigval)
+    except RendezvousTimeoutError:
+        raise TformerError(f"--nnodes {group.machines}: not all the machines came to {group.endpoint} within "
+                           f"{JOIN_TIMEOUT_S} s; start this command on each of them, with the same --nnodes and "
+                           "--rdzv-endpoint") from None
+    except RendezvousConnectionError:
+        raise TformerError(f"--rdzv-endpoint {group.endpoint}: cannot be reached from here; give a free port on "
+                           "one of the machines, by a name or address that each of them can reach") from None
+    except RendezvousError as error:  # the rendezvous closed or its state was lost: said as torch says it
+        raise TformerError(f"--rdzv-endpoint {group.endpoint}: {first_line(error)}") from None
     return 0
