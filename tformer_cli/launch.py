@@ -55,24 +55,23 @@ def training_group(nproc_per_node: str | None, nnodes: int | None, rdzv_endpoint
             torchrun started.
     """
     processes = process_count(nproc_per_node) if nproc_per_node is not None else 1
-    if nnodes is None:
-        if rdzv_endpoint is not None:
-            raise UsageError("--rdzv-endpoint: give --nnodes too, the number of machines that meet there")
-        return Group(processes)
-    if nnodes < 1:
+    if nnodes is None and rdzv_endpoint is not None:
+        raise UsageError("--rdzv-endpoint: give --nnodes too, the number of machines that meet there")
+    machines = 1 if nnodes is None else nnodes
+    if machines < 1:
         raise UsageError(f"--nnodes {nnodes}: give a number of machines (1 or more)")
     if rdzv_endpoint is None:
-        if nnodes > 1:
+        if machines > 1:
             raise UsageError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, where the machines meet (one "
                              "of them, the same on each)")
         return Group(processes)
     host, _, port = rdzv_endpoint.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--rdzv-endpoint {rdzv_endpoint}: give HOST:PORT (e.g. node1:29500), where the machines meet")
-    if nnodes > 1 and "LOCAL_RANK" in os.environ:
+    if machines > 1 and "LOCAL_RANK" in os.environ:
         raise UsageError("--nnodes: this process was started by torchrun, which says how many machines; give the "
                          "number to torchrun or to tformer train, not both")
-    return Group(processes, nnodes, rdzv_endpoint)
+    return Group(processes, machines, rdzv_endpoint)
 
 
 def process_count(processes: str) -> int:
