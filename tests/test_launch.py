@@ -191,6 +191,23 @@ def test_ctrl_c_checkpoints_and_says_where_once(tmp_path, config):
                                            f"--resume {run}"]
 
 
+@pytest.mark.slow
+def test_a_signal_to_one_process_stops_them_all_and_rank_0_says_where(tmp_path, config):
+    """A signal that reaches some processes only (those of one machine, or one killed by hand): every
+    process stops after the same step, exits as if it had got the signal, and rank 0 says where the
+    checkpoint is, though it got none itself."""
+    launcher, run = _start(tmp_path, config)
+    try:
+        os.kill(_workers(launcher)[1], signal.SIGINT)
+        stderr = launcher.communicate(timeout=120)[1]
+    finally:
+        launcher.kill()
+    (checkpoint,) = step_checkpoints(run)
+    assert launcher.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    assert stderr.strip().splitlines() == [f"stopped by SIGINT; checkpoint {checkpoint}; resume with: tformer train "
+                                           f"--resume {run}"]
+
+
 def test_a_signal_while_an_error_unwinds_reports_the_error(tmp_path, config, monkeypatch):
     """The launcher (or torchrun) stops the other processes with SIGTERM once one failed: one that is
     itself failing (its peer gone) says why, not "interrupted"."""

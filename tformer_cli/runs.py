@@ -109,6 +109,8 @@ class StopSignals:
     step under way finishes and is checkpointed first, so that the saved random state is the one the
     next step starts from and a resume continues exactly. A second signal stops at once."""
 
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
     def __init__(self) -> None:
         self.received: int | None = None
 
@@ -135,7 +137,7 @@ class StopSignals:
         if threading.current_thread() is not threading.main_thread():  # Python delivers signals to it alone
             yield
             return
-        previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        previous = {signum: signal.signal(signum, handler) for signum in self.SIGNALS}
         try:
             yield
         finally:

@@ -42,7 +42,7 @@ class TrainResult:
     state: TrainState
     stop_reason: str
     last_eval: dict[str, Any] | None
-    signal: int | None = None  # the signal that stopped training, if one did
+    signal: int | None = None  # the signal that stopped training, if one did (here, or in another process)
 
 
 def train(config: Config, run_dir: Path, resume: bool = False, callback: Callback | None = None,
@@ -84,6 +84,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     with signals.during_setup():  # set-up: a signal stops it at once, and the clocks start after it
         _build_kernels(setup, data, batches)
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
+    stopped_by: int | None = None
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
     setup.trainer.train()
@@ -94,12 +95,15 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
                 start = state.batch_in_epoch
                 group = [collate(data, ids) for ids in batches[start:start + cfg.grad_accum]]
                 group_tokens = sum(b.num_tokens for b in group)
-                stop = signals.received is not None  # a signal stops training between two steps
+                stopped_by = signals.received  # a signal stops training between two steps
                 if workers.size > 1:  # the loss is normalised by every process's tokens; rank 0's clock rules
                     own_clock = elapsed_before + time.perf_counter() - session_start if workers.main else 0.0
-                    total, clock, stops = workers.sum(group_tokens, own_clock, stop)
-                    group_tokens, stop = int(total), stops > 0  # all processes stop at the same step
-                if stop:
+                    total, clock, *got = workers.sum(group_tokens, own_clock,
+                                                     *(signum == stopped_by for signum in StopSignals.SIGNALS))
+                    group_tokens = int(total)
+                    # all processes stop at the same step, by a signal that any got (on another machine, maybe)
+                    stopped_by = next((signum for signum, n in zip(StopSignals.SIGNALS, got) if n), None)
+                if stopped_by is not None:
                     stop_reason = "interrupted"
                     break
                 nll_sum, lr = _step(setup, group, group_tokens, total_steps, amp)
@@ -131,7 +135,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
             _checkpoint(setup, notify)  # at a step boundary, so that a resume continues exactly
     setup.log.close()
     notify("end", {"state": asdict(state), "stop_reason": stop_reason, "last_eval": last_eval})
-    return TrainResult(run_dir, state, stop_reason, last_eval, signals.received)
+    return TrainResult(run_dir, state, stop_reason, last_eval, signals.received or stopped_by)
 
 
 def _step(setup: Setup, group: list[Batch], group_tokens: int, total_steps: int | None,
