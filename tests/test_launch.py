@@ -88,6 +88,48 @@ def test_machines_that_do_not_all_come_are_one_line(tmp_path, config, monkeypatc
     assert not (tmp_path / "run").exists()
 
 
+QUIET_LAUNCHER = """
+import datetime, os, sys
+from tformer_cli import launch
+from tformer_cli.cli import app
+
+
+def launched(group, argv, run_dir):  # instead of starting processes: a store that goes away under its client
+    import torch.distributed as dist
+
+    print(os.environ.get(launch.TORCH_LOG))  # what the processes would get
+    server = dist.TCPStore("localhost", 0, is_master=True, timeout=datetime.timedelta(seconds=2))
+    client = dist.TCPStore("localhost", server.port, is_master=False, timeout=datetime.timedelta(seconds=2))
+    del server
+    try:
+        client.get("key")
+    except Exception:
+        pass
+    return 0
+
+
+launch.launch = launched
+app(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("machines, level, warned", [("2", None, False), ("1", None, True), ("2", "INFO", True)])
+def test_on_several_machines_the_launchers_torch_keeps_its_cpp_warnings_to_itself(tmp_path, config, machines,
+                                                                                 level, warned):
+    """torch's C++ warnings (with stack frames) when a machine that held the rendezvous store left
+    first: not from a launcher on several machines, unless the user asked for them; the processes get
+    the level the user gave."""
+    env = {key: value for key, value in os.environ.items() if key not in (launch.LAUNCHED, launch.TORCH_LOG)}
+    if level:
+        env[launch.TORCH_LOG] = level
+    done = subprocess.run([sys.executable, "-c", QUIET_LAUNCHER, "train", str(config), "--output-dir",
+                           str(tmp_path / "run"), "--nproc-per-node", "2", "--nnodes", machines, "--rdzv-endpoint",
+                           "localhost:1"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(level)]
+    assert ("Connection was likely closed" in done.stderr) == warned, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--set", "train.lr=-1"], "error: --set train.lr: must be > 0, got -1.0"),
     (["--nproc-per-node", "0"], "error: --nproc-per-node 0: give a number of processes (1 or more), or gpu"),

@@ -20,7 +20,7 @@ from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
     ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, NnodesOpt, NprocOpt, QuietOpt, RdzvOpt, RunArg, SetOpt, check_image_name, check_text)
 from tformer_cli.errors import CheckpointError, ConfigError, Interrupted, TformerError, UsageError, out_of_memory
-from tformer_cli.launch import launch_training, launched, launched_rank, training_group
+from tformer_cli.launch import launch_training, launched, launched_rank, quieten_torch, training_group
 
 
 class _ErrorBoundary(TyperGroup):
@@ -130,9 +130,11 @@ def train(
       tformer train configs/base.yaml --nproc-per-node 4   [dim](4 GPUs)[/]
       tformer train configs/big.yaml --nproc-per-node gpu --nnodes 2 --rdzv-endpoint node1:29500   [dim](on both)[/]
     """
-    group = training_group(nproc_per_node, nnodes, rdzv_endpoint) if not launched() else None
-    if group is not None and group.size > 1:  # this process starts the ones that train
-        raise typer.Exit(launch_training(group, ctx.params, debug=ctx.find_root().params["debug"]))
+    if not launched():
+        quieten_torch(nnodes)  # before torch loads
+        group = training_group(nproc_per_node, nnodes, rdzv_endpoint)
+        if group.size > 1:  # this process starts the ones that train
+            raise typer.Exit(launch_training(group, ctx.params, debug=ctx.find_root().params["debug"]))
     try:  # a signal here (torch loads for seconds) is answered like one during training
         from tformer_cli import parallel
         from tformer_cli.devices import resolve_device

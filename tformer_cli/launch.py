@@ -30,6 +30,8 @@ LAUNCH_FLAGS = ("nproc_per_node", "nnodes", "rdzv_endpoint")  # this launcher's:
 LAUNCHED = "TFORMER_LAUNCHED"  # in the environment of the processes this launcher starts
 STOP_TIMEOUT_S = 120  # how long a process that was told to stop may take to checkpoint before it is killed
 JOIN_TIMEOUT_S = 600  # how long the machines wait at --rdzv-endpoint for each other (torchrun's default)
+TORCH_LOG = "TORCH_CPP_LOG_LEVEL"  # read by torch as it loads
+_quietened = False  # whether this launcher set TORCH_LOG for its own torch
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,17 @@ def training_group(nproc_per_node: str | None, nnodes: int | None, rdzv_endpoint
     return Group(processes, machines, rdzv_endpoint)
 
 
+def quieten_torch(nnodes: int | None) -> None:
+    """On several machines, before torch loads: this launcher's torch logs C++ errors only. Its
+    rendezvous client warns, with C++ stack frames, whenever the machine that held the rendezvous store
+    has left first (one interrupted, or failed), which the processes and launchers say in one line each.
+    A level the user set is kept; the processes get the environment as it was (``launch_training``)."""
+    global _quietened
+    if nnodes is not None and nnodes > 1 and TORCH_LOG not in os.environ and "torch" not in sys.modules:
+        os.environ[TORCH_LOG] = "ERROR"
+        _quietened = True
+
+
 def process_count(processes: str) -> int:
     """--nproc-per-node's processes: a number, or "gpu" for one a GPU.
 
@@ -109,6 +122,8 @@ def launch_training(group: Group, options: dict[str, Any], debug: bool = False) 
 
     _, run_dir = prepare_run(options["config"], options["resume"], list(options["overrides"] or []),
                              options["output_dir"], options["overwrite"], main=False, device=options["device"])
+    if _quietened:  # torch has loaded: the processes log as they would have
+        del os.environ[TORCH_LOG]
     return launch(group, ["--debug"] * debug + ["train", *command_line(options)], run_dir)
 
 
