@@ -18,7 +18,8 @@ from typer.core import TyperGroup
 from tformer_cli import __version__
 from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
-    ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, NnodesOpt, NprocOpt, QuietOpt, RdzvOpt, RunArg, SetOpt, check_image_name, check_text)
+    ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, NnodesOpt, NprocOpt, QuietOpt, RdzvOpt, RunArg, SetOpt,
+    check_image_name, check_text)
 from tformer_cli.errors import CheckpointError, ConfigError, Interrupted, TformerError, UsageError, out_of_memory
 from tformer_cli.launch import launch_training, launched, launched_rank, quieten_torch, training_group
 
