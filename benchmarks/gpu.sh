@@ -118,7 +118,8 @@ paper-train() {
     local workloads=${PAPER_WORKLOADS:-train,memory}
     "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads "$workloads" --sizes "$SIZES" \
         --json "$RESULTS/paper-${workloads/,/-}-${SIZES/,/-}.json" \
-        --peers "${PAPER_PEERS:-torch,marian,xtransformers,tformer-compile}" --peer-adamw "${PEER_ADAMW:-fused}"
+        --peers "${PAPER_PEERS:-torch,marian,xtransformers,xtransformers-flash,tformer-compile}" \
+        --peer-adamw "${PEER_ADAMW:-fused}"
 }
 # Decoding 3,000 sentences takes seconds to minutes a system, so it gets 3 timed repetitions, and the
 # peers its target names (Hugging Face generate) and CTranslate2, not nn.Transformer's uncached loop.

@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import systems  # noqa: E402
 from tformer_cli import loss  # noqa: E402
 
-# tformer and the suite's training peers (its memory workload's systems), by their --peers keys
-TRAINING = {"tformer": systems.Tformer, **{key: systems.PEERS[key] for key in systems.DEFAULT_PEERS
-                                           if systems.PEERS[key].supports_train}}
+# tformer and the training peers (the memory workload's systems), by their --peers keys
+TRAINING = {"tformer": systems.Tformer, **{key: peer for key, peer in systems.PEERS.items()
+                                           if not key.startswith("tformer") and peer.supports_train}}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -120,7 +120,7 @@ def main() -> None:
                    else systems.paper_batches(size, args.tokens, args.steps, cpu))
         peaks = {key: predict(key, size, batches, experiments) for key in args.systems.split(",")}
         for key, peak in peaks.items():
-            print(f"{size_name:5} {key:14} {peak:9,.0f} MiB")
+            print(f"{size_name:5} {key:{max(map(len, TRAINING))}} {peak:9,.0f} MiB")
         peers = {key: peak for key, peak in peaks.items() if key != "tformer"}
         if "tformer" in peaks and peers:
             lowest = min(peers, key=peers.get)

@@ -302,6 +302,32 @@ def test_the_explicit_attention_experiment_computes_the_models_attention(monkeyp
     torch.testing.assert_close(model(src, tgt), expected)
 
 
+def test_the_flash_setting_of_the_x_transformers_peer_computes_what_its_default_computes(monkeypatch):
+    """``xtransformers-flash`` is the same model with a faster attention kernel: with the same weights,
+    the default's logits over paper-like batches (padded sources, causal targets)."""
+    pytest.importorskip("x_transformers")
+    import torch
+
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    from systems import PEERS, SIZES, paper_batches
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    default, flash = PEERS["xtransformers"](SIZES["small"], cpu), PEERS["xtransformers-flash"](SIZES["small"], cpu)
+    flash.model.load_state_dict(default.model.state_dict())
+    default.model.eval(), flash.model.eval()
+    assert (default.name, flash.name) == ("x-transformers", "x-transformers (flash)")
+
+    def kernels(model):  # x-transformers' attention modules, by whether they call torch's fused attention
+        return {module.flash for module in model.modules() if type(module).__name__ == "Attend"}
+
+    assert kernels(default.model) == {False} and kernels(flash.model) == {True}
+    for batch in paper_batches(SIZES["small"], 600, 2, cpu):
+        assert (batch.src == 0).any()  # padding, masked in both
+        with torch.no_grad():
+            torch.testing.assert_close(flash.logits(batch), default.logits(batch), atol=1e-4, rtol=1e-4)
+
+
 def test_decoding_warms_up_on_the_shortest_and_longest_batches_and_times_whole_passes(monkeypatch):
     """A whole pass over the paper-scale test set costs some peers minutes; warming up needs two batches."""
     import torch
