@@ -1,9 +1,8 @@
 """Training on several processes with PyTorch's own engines, launched by ``tformer train --nproc-per-node``
-on one node (``launch.py``) or by ``torchrun`` on one node or many.
+on one machine or many (``launch.py``), or by ``torchrun``.
 
     tformer train configs/base.yaml --nproc-per-node 4
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
-        -m tformer_cli train configs/base.yaml
+    tformer train configs/base.yaml --nproc-per-node 8 --nnodes 2 --rdzv-endpoint HOST:PORT   # on each machine
 
 Every process builds the same model and trains on every N-th batch of each epoch. ``train.parallel``
 picks the engine that keeps the processes' weights equal:
@@ -16,8 +15,8 @@ picks the engine that keeps the processes' weights equal:
 
 Either way the loss is normalised by all processes' target tokens, so N processes take the steps one
 process takes with ``grad_accum`` N. Each step's token count and rank 0's clock (for ``max_time``)
-travel in one small all-reduce on the CPU (``Workers.sum``), so the processes agree on when to stop
-without waiting on a GPU. Rank 0 alone writes the run folder and validates; the others receive its
+travel in one small all-reduce on the CPU (``Workers.sum``) with the signals that reached any of them,
+so the processes agree on when to stop, and why, without waiting on a GPU. Rank 0 alone writes the run folder and validates; the others receive its
 figures, so all agree on the best step and on early stopping. Checkpoints hold whole tensors
 (``gathered``), so a run resumes on any number of processes.
 """
