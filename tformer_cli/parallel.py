@@ -16,9 +16,9 @@ picks the engine that keeps the processes' weights equal:
 Either way the loss is normalised by all processes' target tokens, so N processes take the steps one
 process takes with ``grad_accum`` N. Each step's token count and rank 0's clock (for ``max_time``)
 travel in one small all-reduce on the CPU (``Workers.sum``) with the signals that reached any of them,
-so the processes agree on when to stop, and why, without waiting on a GPU. Rank 0 alone writes the run folder and validates; the others receive its
-figures, so all agree on the best step and on early stopping. Checkpoints hold whole tensors
-(``gathered``), so a run resumes on any number of processes.
+so the processes agree on when to stop, and why, without waiting on a GPU. Rank 0 alone writes the
+run folder and validates; the others receive its figures, so all agree on the best step and on early
+stopping. Checkpoints hold whole tensors (``gathered``), so a run resumes on any number of processes.
 """
 
 from __future__ import annotations
