@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from systems import (DEFAULT_PEERS, LIBRARIES, PAD, PEERS, SIZES, Tformer, at_least, available_peers,  # noqa: E402
+from systems import (DEFAULT_PEERS, PAD, PEERS, SIZES, Tformer, at_least, available_peers,  # noqa: E402
                      make_batch, paper_batches, paper_sources)
 
 import systems  # noqa: E402
@@ -220,7 +220,7 @@ def probe_memory(system_key: str, size: str, device_name: str, precision: str) -
     _process_settings()
     systems.COMPILE_PEERS = PAPER is not None
     cls = Tformer if system_key == "tformer" else PEERS[system_key]
-    importlib.import_module(LIBRARIES[system_key])  # library code is loaded before the baseline
+    importlib.import_module(cls.library)  # library code is loaded before the baseline
     batches = train_batches(size, device, 64)
     reset_peak_memory(device)
     base = resident_mib() or 0.0

@@ -163,6 +163,8 @@ def _adam(params, fused: bool):
 
 class System:
     name = "system"
+    library = "torch"  # the package it needs (run.py loads it before a memory probe's baseline)
+    in_cpu_suite = True  # run by default (tformer's variants are run only when named, whatever this says)
     supports_beam = False
     supports_train = True
     decodes = True
@@ -193,6 +195,7 @@ class System:
 class Tformer(System):
     """tformer itself: fused output projection + loss, fused Adam, KV-cached decoding."""
 
+    library = "tformer_cli"
     supports_beam = True
     int8 = False
 
@@ -343,6 +346,7 @@ class TorchBuiltin(System):
 class Marian(System):
     """(b) Hugging Face transformers' MarianMTModel from a MarianConfig (random weights)."""
 
+    library = "transformers"
     supports_beam = True
 
     def __init__(self, size: Size, device: torch.device, fused: bool = False) -> None:
@@ -382,6 +386,7 @@ class XTransformers(System):
     step but not the cross-attention context, so it fails on encoder-decoder models.
     """
 
+    library = "x_transformers"
     flash = False  # its attention as products and a softmax of its own (its default)
 
     def __init__(self, size: Size, device: torch.device, fused: bool = False) -> None:
@@ -416,6 +421,7 @@ class XTransformersFlash(XTransformers):
     runs both, so that its best setting is the one measured best. On a CPU it trained at small 1.01x
     as fast as the default (2026-11-28), so the CPU suite leaves it out unless asked (--peers)."""
 
+    in_cpu_suite = False
     flash = True
 
 
@@ -424,6 +430,7 @@ class CTranslate2(System):
     ctranslate2` converts them, computing in the suite's precision (or with int8 weights, below) on the
     same threads."""
 
+    library = "ctranslate2"
     supports_beam = True
     supports_train = False
     # its compute type per weights kind and the suite's precision (bf16: what tformer's autocast runs)
@@ -479,11 +486,7 @@ PEERS = {"torch": TorchBuiltin, "marian": Marian, "xtransformers": XTransformers
          "xtransformers-flash": XTransformersFlash, "ct2": CTranslate2, "ct2-int8": CTranslate2Int8,
          "tformer-int8": TformerInt8, "tformer-compile": TformerCompiled,
          "tformer-compile-layers": TformerLayersCompiled}
-# tformer's variants on request, and x-transformers' flash setting (as fast as its default on CPUs)
-DEFAULT_PEERS = [key for key in PEERS if not key.startswith("tformer") and key != "xtransformers-flash"]
-LIBRARIES = {"tformer": "tformer_cli", "torch": "torch", "marian": "transformers", "xtransformers": "x_transformers",
-             "xtransformers-flash": "x_transformers", "ct2": "ctranslate2", "ct2-int8": "ctranslate2",
-             "tformer-int8": "tformer_cli", "tformer-compile": "tformer_cli", "tformer-compile-layers": "tformer_cli"}
+DEFAULT_PEERS = [key for key, peer in PEERS.items() if not key.startswith("tformer") and peer.in_cpu_suite]
 
 
 def at_least(minimum: int):
@@ -499,4 +502,4 @@ def available_peers() -> dict[str, type]:
     """Peers whose packages are installed (pip install -e '.[bench]')."""
     import importlib.util
 
-    return {k: v for k, v in PEERS.items() if importlib.util.find_spec(LIBRARIES[k]) is not None}
+    return {k: v for k, v in PEERS.items() if importlib.util.find_spec(v.library) is not None}

@@ -5,7 +5,6 @@ each told in one line and no launcher traceback."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import typer
 from typer.testing import CliRunner
 
 from conftest import parallel_config
-from test_parallel import _assert_same_losses, _assert_same_weights, _records
+from test_parallel import _assert_same_losses, _assert_same_weights, _free_port, _records
 from tformer_cli import launch
 from tformer_cli.cli import app
 from tformer_cli.runtime import step_checkpoints
@@ -48,12 +47,6 @@ def test_two_launched_processes_train_as_one_process_accumulating_two_batches(tm
     for checkpoint in step_checkpoints(one):
         _assert_same_weights(one, two, f"checkpoints/{checkpoint.name}")
     _assert_same_losses(one, two)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.slow
