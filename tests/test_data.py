@@ -5,6 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from tformer_cli.batching import collate, token_batches
 from tformer_cli.config import DataConfig
@@ -402,7 +403,11 @@ def test_token_batches_respect_max_tokens_and_cover_every_example_once():
     for batch in batches:
         assert len(batch) * max(max(src[i], tgt[i]) for i in batch) <= 200
     assert token_batches(src, tgt, 200, seed=1, epoch=0) == batches
+    assert token_batches(torch.tensor(src), torch.tensor(tgt), 200, seed=1, epoch=0) == batches  # as Sequences give them
     assert token_batches(src, tgt, 200, seed=1, epoch=1) != batches
+    # shuffled, each batch still spans its own stretch of the length order: ties broken, lengths never crossed
+    spans = sorted([max(src[i], tgt[i]) for i in batch] for batch in batches)
+    assert sum(spans, []) == sorted(sum(spans, []))
     # unshuffled, batches come in length order, and each is full: the next example would overflow it
     ordered = token_batches(src, tgt, 200, shuffle=False)
     longest = [[max(src[i], tgt[i]) for i in batch] for batch in ordered]

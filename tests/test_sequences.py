@@ -21,7 +21,7 @@ def test_flat_sequences_behave_as_the_lists_they_hold():
     seqs = Sequences.from_lists(lists)
     assert len(seqs) == 200 and seqs.ids.dtype == torch.int32
     assert [seqs[i] for i in range(200)] == lists and list(seqs) == lists
-    assert seqs.lengths() == [len(s) for s in lists]
+    assert seqs.lengths().tolist() == [len(s) for s in lists]
     parts = Sequences.concat([Sequences.from_lists(lists[:70]), Sequences.from_lists([]),
                               Sequences.from_lists(lists[70:])])
     assert parts == seqs and parts != Sequences.from_lists(lists[:-1])

@@ -40,7 +40,7 @@ class Sequences:
         return self.ids[self.offsets[i]:self.offsets[i + 1]].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
-        for part in torch.split(self.ids, self.lengths()):
+        for part in torch.split(self.ids, self.lengths().tolist()):
             yield part.tolist()
 
     def __eq__(self, other: object) -> bool:
@@ -48,8 +48,9 @@ class Sequences:
             return NotImplemented
         return torch.equal(self.offsets, other.offsets) and torch.equal(self.ids, other.ids)
 
-    def lengths(self) -> list[int]:
-        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+    def lengths(self) -> Tensor:
+        """(n,) int64: each sequence's number of tokens."""
+        return self.offsets[1:] - self.offsets[:-1]
 
     def pad(self, indices: list[int], pad_id: int) -> Tensor:
         """Sequences ``indices`` as rows of a (len(indices), longest) int64 tensor, padded with ``pad_id``."""
