@@ -445,9 +445,9 @@ def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, mon
     monkeypatch.setattr(decoding, "translate", cpu_full)
     config = write_config(tmp_path / "m.yaml")
     for command, line in ((["train", str(config), "--output-dir", str(tmp_path / "run")],
-                           "error: out of GPU memory: lower train.max_tokens (raise train.grad_accum to keep the "
-                           "tokens a step); a run with checkpoints goes on with tformer train --resume RUN "
-                           "--set train.max_tokens=..."),
+                           "error: out of GPU memory: lower train.max_tokens (with train.step_tokens a step keeps "
+                           "its tokens, in more batches; without, raise train.grad_accum to keep them); a run with "
+                           "checkpoints goes on with tformer train --resume RUN --set train.max_tokens=..."),
                           (["generate", str(run_dir), "seven"],
                            "error: out of CPU memory: lower --batch-size or --max-tokens (what is decoded "
                            "together), or --beam-size or --nbest (hypotheses a sentence)")):
@@ -493,7 +493,7 @@ def test_an_error_during_training_stops_the_live_progress_display(tmp_path, monk
     def diverging(config, run_dir, resume, callback, workers):
         callback("start", {"run_dir": str(run_dir), "device": "cpu", "processes": 1, "resumed_at": 0,
                            "parameters": 10, "train_pairs": 5, "validation_pairs": 0, "dropped_long": 0,
-                           "dropped_empty": 0, "truncated": 0, "steps_per_epoch": 1, "total_steps": 4,
+                           "dropped_empty": 0, "truncated": 0, "steps_per_epoch": 1, "batches_per_step": 1, "total_steps": 4,
                            "vocab_size": 20, "epoch": 0, "compiled": True})
         raise DivergedError("training diverged at step 1: the weights are no longer finite")
 
@@ -520,7 +520,8 @@ def test_the_live_line_fits_an_80_column_terminal(monkeypatch):
     progress = render.TrainProgress()
     progress("start", {"run_dir": "runs/x", "device": "cuda", "processes": 1, "resumed_at": 0, "parameters": 10,
                        "train_pairs": 5, "validation_pairs": 0, "dropped_long": 0, "dropped_empty": 0, "truncated": 0,
-                       "steps_per_epoch": 1, "total_steps": 100_000, "vocab_size": 20, "epoch": 0, "compiled": False})
+                       "steps_per_epoch": 1, "batches_per_step": 2, "total_steps": 100_000, "vocab_size": 20, "epoch": 0,
+                       "compiled": False})
     progress("step", {"step": 12_345, "total_steps": 100_000, "epoch": 3, "loss": 3.4561, "ppl": 31.7, "lr": 1e-3,
                       "tokens_per_s": 413_412.0, "mfu": 0.65, "gpu_peak_mib": 42_394, "elapsed": 1234.0})
     line = progress.progress.get_renderable()
@@ -529,6 +530,7 @@ def test_the_live_line_fits_an_80_column_terminal(monkeypatch):
     shown.print(line)
     text = shown.file.getvalue().strip()
     assert "12345/100000 loss 3.456 lr 1.0e-03 413,412 tok/s MFU 0.65 41.4 GiB ETA" in text and "…" not in text, text
+    assert "1 steps an epoch of 2 batches a process" in " ".join(terminal.getvalue().split())
 
 
 def test_average_and_plot_commands_on_a_run(tmp_path):

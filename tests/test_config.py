@@ -104,9 +104,20 @@ def test_all_mistakes_are_reported_together(tmp_path):
     bad.write_text("model:\n  dropout: 0\ntrain:\n  rdrop: 1\n")
     with pytest.raises(ConfigError, match="train.rdrop: needs dropout"):
         load_config(bad)
+    bad.write_text("data:\n  max_length: 256\ntrain:\n  step_tokens: 100\n  grad_accum: 2\n")
+    lines = _mistakes(bad)
+    assert f"{bad}: train.step_tokens: 100 is smaller than one sequence (data.max_length 256); raise it, or null" in lines
+    assert (f"{bad}: train.grad_accum: follows from train.step_tokens and max_tokens; leave it at 1, or set "
+            "train.step_tokens=null") in lines
     bad.write_text("data:\n  subset: de-en\n  data_files:\n    train: t.jsonl\n")
     with pytest.raises(ConfigError, match="data.subset: selects a subset of data.dataset, not of data.data_files"):
         load_config(bad)
+
+
+def _mistakes(path) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(info.value).splitlines()
 
 
 def test_extends_merges_sections_and_round_trips(tmp_path):

@@ -421,6 +421,22 @@ def test_token_batches_respect_max_tokens_and_cover_every_example_once():
         assert sorted(b for shard in shards for b in shard) == sorted(batches[:len(batches) // world * world])
 
 
+def test_steps_shared_out_give_every_process_its_batches_of_the_same_steps():
+    from tformer_cli.batching import shared_out
+
+    steps = [list(range(10 * i, 10 * i + n)) for i, n in enumerate([8, 9, 3, 1, 6])]
+    for processes, accumulation in [(1, 1), (1, 3), (2, 1), (2, 2), (3, 2)]:
+        parts = processes * accumulation
+        shares = [shared_out(steps, processes, accumulation, rank) for rank in range(processes)]
+        kept = [step for step in steps if len(step) >= parts]  # a step too small for a batch each: left out
+        assert all(len(share) == len(kept) * accumulation for share in shares)
+        for s, step in enumerate(kept):  # each step's examples, each once, among its batches
+            batches = [batch for share in shares for batch in share[s * accumulation:(s + 1) * accumulation]]
+            assert sorted(sum(batches, [])) == step and all(batches)
+            assert max(map(len, batches)) - min(map(len, batches)) <= 1  # dealt: alike in size
+    assert shared_out(steps, 2, 1, 0)[0] == [0, 2, 4, 6] and shared_out(steps, 2, 1, 1)[0] == [1, 3, 5, 7]
+
+
 def test_token_batches_hold_a_multiple_of_sentences_wherever_that_many_fit():
     import random
 

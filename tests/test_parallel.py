@@ -87,6 +87,24 @@ def test_ddp_two_processes_train_as_one_process_accumulating_two_batches(tmp_pat
     assert resumed["stop_reason"] == f"reached train.max_time {limit:g} s" and resumed["step"] > 4
 
 
+@pytest.mark.slow
+def test_with_step_tokens_one_config_trains_the_same_on_one_process_or_two(tmp_path):
+    """train.step_tokens: the same config, unchanged, takes the same steps on one process (one batch a
+    step) and on two (half of each step each), and a run of two resumes on one as if never stopped."""
+    config = write_config(tmp_path / "s.yaml", model={"dropout": 0.0}, data={"max_samples": 800},
+                          train={"step_tokens": 1200, "max_tokens": 1200, "max_steps": 4, "eval_every": 2,
+                                 "save_every": 2, "log_every": 2})
+    one, two, halfway = tmp_path / "one", tmp_path / "two", tmp_path / "halfway"
+    _one_process("train", str(config), "--output-dir", str(one))
+    _torchrun_ok(2, "train", str(config), "--output-dir", str(two), "--quiet")
+    for checkpoint in step_checkpoints(one):
+        _assert_same_weights(one, two, f"checkpoints/{checkpoint.name}")
+    _assert_same_losses(one, two)
+    _torchrun_ok(2, "train", str(config), "--output-dir", str(halfway), "--quiet", "--set", "train.max_steps=2")
+    _one_process("train", "--resume", str(halfway), "--set", "train.max_steps=4")
+    _assert_same_weights(one, halfway)
+
+
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="NCCL needs a GPU"))])

@@ -192,6 +192,37 @@ def test_resuming_gives_the_same_weights_as_training_straight_through(tmp_path):
     assert load_run(run_dir / "checkpoints" / "ema").weights.parent.name == "ema"  # eval and generate take it
 
 
+def test_with_step_tokens_any_batches_a_step_take_the_same_steps_and_a_resume_may_change_them(tmp_path):
+    """train.step_tokens cuts the steps before they are shared out: one batch a step, or two or three
+    within a lower max_tokens, train the same weights (up to the order of float sums); a run stopped
+    and resumed with another max_tokens goes on over the same steps."""
+    path = write_config(tmp_path / "s.yaml", model={"dropout": 0.0}, train={"step_tokens": 600, "max_steps": 6})
+    runs = {}
+    for max_tokens in (600, 300, 200):  # 1, 2 and 3 batches a step
+        result = train(load_config(path, [f"train.max_tokens={max_tokens}"]), tmp_path / str(max_tokens))
+        assert result.state.accumulation == 600 // max_tokens
+        runs[max_tokens] = _weights(tmp_path / str(max_tokens))
+    train(load_config(path, ["train.max_steps=3", "train.max_tokens=200"]), tmp_path / "resumed")
+    config, run_dir = prepare_run(None, tmp_path / "resumed", ["train.max_steps=6", "train.max_tokens=300"], None)
+    train(config, run_dir, resume=True)
+    runs["resumed"] = _weights(run_dir)
+    for name, weights in runs.items():
+        for key in weights:
+            torch.testing.assert_close(weights[key], runs[600][key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+    # without step_tokens the batches are max_tokens each, a step one of them: other steps
+    train(load_config(path, ["train.step_tokens=null", "train.max_tokens=300"]), tmp_path / "per-batch")
+    assert not torch.allclose(_weights(tmp_path / "per-batch")["encoder.layers.0.ffn.linear1.weight"],
+                              runs[600]["encoder.layers.0.ffn.linear1.weight"])
+
+
+def test_a_split_too_small_for_a_batch_a_process_is_one_line(tmp_path):
+    """Every epoch would end before its first step, and training would go round forever: one line."""
+    path = write_config(tmp_path / "s.yaml", data={"max_samples": 3},
+                        train={"step_tokens": 480, "max_tokens": 48})  # 10 batches a step, of 3 sentences
+    with pytest.raises(UsageError, match=r"training split \(3 pairs\) does not make a batch for each"):
+        train(load_config(path), tmp_path / "run")
+
+
 @pytest.mark.parametrize("section, key, then", [("model", "attention_bias", True), ("train", "batch_multiple", 1)],
                          ids=["its-biases", "its-batches"])
 def test_a_run_saved_before_a_key_existed_resumes_as_it_was_trained(tmp_path, section, key, then):

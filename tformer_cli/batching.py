@@ -89,6 +89,16 @@ def token_batches(src_lengths: Sequence[int] | torch.Tensor, tgt_lengths: Sequen
     return batches[rank:len(batches) - len(batches) % world_size:world_size]
 
 
+def shared_out(steps: list[list[int]], processes: int, accumulation: int, rank: int) -> list[list[int]]:
+    """Each step's examples dealt into ``processes`` x ``accumulation`` batches (a step's example j to
+    batch j mod that), of which process ``rank`` takes batches rank, rank + processes, ...: its
+    ``accumulation`` batches of each step, in order. Dealt, each batch spans its step's lengths, so the
+    processes' batches are alike and none waits on another's longer one. A step of fewer examples
+    than batches (the last of an epoch's length order, or one of a few very long sentences) is left out."""
+    parts = processes * accumulation
+    return [step[k::parts] for step in steps if len(step) >= parts for k in range(rank, parts, processes)]
+
+
 def collate(split: EncodedSplit, indices: list[int]) -> Batch:
     """Pad one batch: sources to their longest, targets shifted into input and output."""
     src = split.src.pad(indices, PAD_ID)

@@ -72,8 +72,9 @@ class _ErrorBoundary(TyperGroup):
 
 # What to lower when a command runs out of memory
 OUT_OF_MEMORY = {
-    "train": "lower train.max_tokens (raise train.grad_accum to keep the tokens a step); a run with "
-             "checkpoints goes on with tformer train --resume RUN --set train.max_tokens=...",
+    "train": "lower train.max_tokens (with train.step_tokens a step keeps its tokens, in more batches; without, "
+             "raise train.grad_accum to keep them); a run with checkpoints goes on with tformer train --resume "
+             "RUN --set train.max_tokens=...",
     "eval": "lower --batch-size or --max-tokens (what is decoded together), or --beam-size",
     "generate": "lower --batch-size or --max-tokens (what is decoded together), or --beam-size or --nbest "
                 "(hypotheses a sentence)",

@@ -105,7 +105,12 @@ class TrainConfig:
     # sentences per batch rounded down to a multiple of this where that many fit (fairseq's
     # --required-batch-size-multiple): fewer product shapes, so less memory for CPU kernels
     batch_multiple: int = 8
-    grad_accum: int = 1  # batches per optimizer step
+    grad_accum: int = 1  # batches per optimizer step (each process's)
+    # padded tokens an optimizer step takes over all processes and accumulated batches (the paper's
+    # ~25,000): each step is cut once and shared out, so one GPU or eight take the same steps, in as
+    # many batches a process as keep each to about max_tokens (grad_accum follows); null: each process
+    # takes grad_accum batches of max_tokens a step
+    step_tokens: Optional[int] = None
     optimizer: Literal["adam", "adamw"] = "adam"  # adam, or adamw (decoupled weight decay)
     # With schedule "noam", lr is the scale factor of d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
     # otherwise it is the peak learning rate.
@@ -314,6 +319,10 @@ def _validate_train(t: TrainConfig, d: DataConfig, m: ModelConfig, need: Need) -
          f"must be > 0 or null, got {t.clip_grad_norm}")
     need(t.max_tokens >= d.max_length, "train.max_tokens",
          f"{t.max_tokens} is smaller than one sequence (data.max_length {d.max_length}); raise it")
+    need(t.step_tokens is None or t.step_tokens >= d.max_length, "train.step_tokens",
+         f"{t.step_tokens} is smaller than one sequence (data.max_length {d.max_length}); raise it, or null")
+    need(t.step_tokens is None or t.grad_accum == 1, "train.grad_accum",
+         "follows from train.step_tokens and max_tokens; leave it at 1, or set train.step_tokens=null")
     for key in ("grad_accum", "batch_multiple", "log_every", "eval_every", "keep_last", "eval_max_sentences"):
         need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
     for key in ("max_steps", "epochs", "max_time", "patience", "save_every"):

@@ -4,8 +4,10 @@ on one machine or many (``launch.py``), or by ``torchrun``.
     tformer train configs/base.yaml --nproc-per-node 4
     tformer train configs/base.yaml --nproc-per-node 8 --nnodes 2 --rdzv-endpoint HOST:PORT   # on each machine
 
-Every process builds the same model and trains on every N-th batch of each epoch. ``train.parallel``
-picks the engine that keeps the processes' weights equal:
+Every process builds the same model and trains on its share of each step: every N-th batch of the
+epoch, or with ``train.step_tokens`` its batches of a step cut for all of them (``batching.shared_out``),
+which makes the steps the same on any number of processes. ``train.parallel`` picks the engine that keeps
+the processes' weights equal:
 
 - ``ddp``: ``DistributedDataParallel``. Every process holds the whole model; gradients are averaged in
   buckets that start while the backward pass is still running.
@@ -14,7 +16,7 @@ picks the engine that keeps the processes' weights equal:
   whose weights and optimizer state do not fit on one device.
 
 Either way the loss is normalised by all processes' target tokens, so N processes take the steps one
-process takes with ``grad_accum`` N. Each step's token count and rank 0's clock (for ``max_time``)
+process takes with ``grad_accum`` N (or, with ``train.step_tokens``, the steps one process takes). Each step's token count and rank 0's clock (for ``max_time``)
 travel in one small all-reduce on the CPU (``Workers.sum``) with the signals that reached any of them,
 so the processes agree on when to stop, and why, without waiting on a GPU. Rank 0 alone writes the
 run folder and validates; the others receive its figures, so all agree on the best step and on early

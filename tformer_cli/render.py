@@ -128,7 +128,8 @@ class TrainProgress:
             f"vocabulary {data['vocab_size']:,}, {data['train_pairs']:,} training pairs "
             f"({dropped:,} dropped: {data['dropped_long']:,} too long, {data['dropped_empty']:,} empty; "
             f"{data['truncated']:,} truncated), {data['validation_pairs']:,} validation, "
-            f"{data['steps_per_epoch']:,} steps an epoch"))
+            f"{data['steps_per_epoch']:,} steps an epoch"
+            + (f" of {data['batches_per_step']} batches a process" if data["batches_per_step"] > 1 else "")))
         if data["compiled"]:  # minutes without a step otherwise look like a hang
             err_console.print("compiling the model (train.compile): the first steps take a few minutes; "
                               "--set train.compile=false starts at once, uncompiled", highlight=False)

@@ -42,6 +42,7 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0  # position in this epoch's batch order (in each process's share of it)
     processes: int = 1  # how many processes trained together
+    accumulation: int = 1  # batches each process took a step (train.grad_accum, or what train.step_tokens needs)
     target_tokens: int = 0
     elapsed: float = 0.0  # seconds of training, summed over resumed sessions
     best: float | None = None

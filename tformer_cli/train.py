@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tformer_cli.accel import build_decoding_kernels, build_kernels
-from tformer_cli.batching import Batch, collate, token_batches
+from tformer_cli.batching import Batch, collate, shared_out, token_batches
 from tformer_cli.config import Config, DecodeConfig, TrainConfig
 from tformer_cli.devices import autocast, matmul_peak, memory_mib, resolve_device, slow_precision
 from tformer_cli.encoding import EncodedSplit, resegment
@@ -68,18 +68,25 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     with signals.during_setup():
         setup = Setup(config, run_dir, resume, device, notify, workers)
     model, state, data = setup.model, setup.state, _epoch_split(setup)
-    if state.processes != workers.size:  # resumed by another number of processes: same place in the epoch
+    accumulation = _accumulation(cfg, workers)
+    if cfg.step_tokens is not None:  # the epoch's steps are every process's: the same step, in batches of now
+        state.batch_in_epoch = state.batch_in_epoch // state.accumulation * accumulation
+    elif state.processes != workers.size:  # resumed by another number of processes: same place in the epoch
         state.batch_in_epoch = math.ceil(state.batch_in_epoch * state.processes / workers.size)
-        state.processes = workers.size
+    state.processes, state.accumulation = workers.size, accumulation
     amp = autocast(device, cfg.precision)
     slow = slow_precision(device, cfg.precision)
     if slow:
         notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
     batches = _batches(data, cfg, state.epoch, workers)  # this epoch's (0.4 s on a WMT-sized corpus)
     first_epoch = batches if state.epoch == 0 else _batches(data, cfg, 0, workers)
-    steps_per_epoch = math.ceil(len(first_epoch) / cfg.grad_accum)
+    if not first_epoch:  # else every epoch would end before its first step
+        raise UsageError(f"the training split ({len(data):,} pairs) does not make a batch for each of the "
+                         f"{workers.size} processes; train with fewer processes, or lower train.max_tokens"
+                         + (" or train.step_tokens" if cfg.step_tokens else ""))
+    steps_per_epoch = math.ceil(len(first_epoch) / accumulation)
     total_steps = _total_steps(cfg, steps_per_epoch)
-    notify("start", _start_info(setup, steps_per_epoch, total_steps))
+    notify("start", _start_info(setup, steps_per_epoch, accumulation, total_steps))
     flops = _model_flops(setup, data, None if slow else matmul_peak(device, cfg.precision))
     with signals.during_setup():  # set-up: a signal stops it at once, and the clocks start after it
         _build_kernels(setup, data, batches)
@@ -91,9 +98,9 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     with signals.between_steps():
         while stop_reason is None:
             while state.batch_in_epoch < len(batches) and stop_reason is None:
-                # batch: grad_accum consecutive batches make one optimizer step
+                # batch: this process's share of one optimizer step, consecutive batches
                 start = state.batch_in_epoch
-                group = [collate(data, ids) for ids in batches[start:start + cfg.grad_accum]]
+                group = [collate(data, ids) for ids in batches[start:start + accumulation]]
                 group_tokens = sum(b.num_tokens for b in group)
                 stopped_by = signals.received  # a signal stops training between two steps
                 if workers.size > 1:  # the loss is normalised by every process's tokens; rank 0's clock rules
@@ -140,7 +147,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
 
 def _step(setup: Setup, group: list[Batch], group_tokens: int, total_steps: int | None,
           amp) -> tuple[torch.Tensor, float]:
-    """One optimizer step over ``group``, ``train.grad_accum`` batches whose gradients add up: forward,
+    """One optimizer step over ``group``, this process's batches of the step, whose gradients add up: forward,
     loss and backward of each, then clipping, the schedule's learning rate and the update. Returns the
     group's summed NLL (on the device: no sync) and the learning rate. ``group_tokens``: the target
     tokens of every process's group, which the loss is normalised by."""
@@ -180,10 +187,23 @@ def _epoch_split(setup: Setup) -> EncodedSplit:
 
 
 def _batches(data: EncodedSplit, cfg: TrainConfig, epoch: int, workers: Workers) -> list[list[int]]:
-    """This process's batches of ``epoch``, in their order, as ``cfg`` batches."""
+    """This process's batches of ``epoch``, in their order; each optimizer step takes ``_accumulation``
+    consecutive ones. With ``train.step_tokens`` the steps are cut first, the same for any number of
+    processes, and shared out; else each process takes every N-th batch of ``train.max_tokens``."""
     lengths = data.src.lengths(), data.tgt.lengths()
-    return token_batches(*lengths, cfg.max_tokens, cfg.seed, epoch, rank=workers.rank, world_size=workers.size,
-                         multiple=cfg.batch_multiple)
+    if cfg.step_tokens is None:
+        return token_batches(*lengths, cfg.max_tokens, cfg.seed, epoch, rank=workers.rank, world_size=workers.size,
+                             multiple=cfg.batch_multiple)
+    steps = token_batches(*lengths, cfg.step_tokens, cfg.seed, epoch, multiple=cfg.batch_multiple)
+    return shared_out(steps, workers.size, _accumulation(cfg, workers), workers.rank)
+
+
+def _accumulation(cfg: TrainConfig, workers: Workers) -> int:
+    """Batches each process takes a step: ``train.grad_accum``, or as many as keep a share of
+    ``train.step_tokens`` within ``train.max_tokens``."""
+    if cfg.step_tokens is None:
+        return cfg.grad_accum
+    return math.ceil(cfg.step_tokens / (workers.size * cfg.max_tokens))
 
 
 def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -> None:
@@ -223,15 +243,15 @@ def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -
     build_kernels(passes)
 
 
-def _start_info(setup: Setup, steps_per_epoch: int, total_steps: int | None) -> dict[str, Any]:
+def _start_info(setup: Setup, steps_per_epoch: int, batches_per_step: int, total_steps: int | None) -> dict[str, Any]:
     data = setup.train_data
     return {"run_dir": str(setup.run_dir), "device": str(setup.device), "processes": setup.workers.size,
             "compiled": setup.compiled, "resumed_at": setup.state.step,
             "parameters": sum(p.numel() for p in setup.model.parameters()), "train_pairs": len(data),
             "validation_pairs": len(setup.valid_data) if setup.valid_data else 0,
             "dropped_long": data.dropped_long, "dropped_empty": data.dropped_empty, "truncated": data.truncated,
-            "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "vocab_size": setup.vocab.tgt_size,
-            "epoch": setup.state.epoch}
+            "steps_per_epoch": steps_per_epoch, "batches_per_step": batches_per_step, "total_steps": total_steps,
+            "vocab_size": setup.vocab.tgt_size, "epoch": setup.state.epoch}
 
 
 def _check_finite(model: torch.nn.Module, step: int, workers: Workers, loss: float | None = None) -> None:
