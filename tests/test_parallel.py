@@ -259,6 +259,17 @@ def test_a_mistake_stops_every_process_with_one_line_each(tmp_path):
     assert "tformer_cli/" not in result.stderr  # no traceback from inside tformer (torchrun reports its own)
 
 
+@pytest.mark.slow
+def test_a_split_too_small_for_a_batch_a_process_stops_each_with_one_line(tmp_path):
+    """Else the process without a batch would go through epochs without a step, forever."""
+    config = write_config(tmp_path / "s.yaml", data={"max_samples": 3}, train={"max_tokens": 4096})
+    result = _torchrun(2, "train", str(config), "--output-dir", str(tmp_path / "run"), "--quiet")
+    errors = {line for line in result.stderr.splitlines() if line.startswith("error: ")}
+    assert result.returncode != 0 and errors == {
+        "error: the training split (3 pairs) makes fewer batches of train.max_tokens 4,096 than the 2 processes; "
+        "lower train.max_tokens, or train with fewer processes"}, result.stderr[-2000:]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

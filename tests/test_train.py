@@ -219,7 +219,9 @@ def test_a_split_too_small_for_a_batch_a_process_is_one_line(tmp_path):
     """Every epoch would end before its first step, and training would go round forever: one line."""
     path = write_config(tmp_path / "s.yaml", data={"max_samples": 3},
                         train={"step_tokens": 480, "max_tokens": 48})  # 10 batches a step, of 3 sentences
-    with pytest.raises(UsageError, match=r"training split \(3 pairs\) does not make a batch for each"):
+    with pytest.raises(UsageError, match=r"^train.step_tokens 480: no step of the training split \(3 pairs\) has a "
+                       r"sentence for each of its 10 batches \(10 a process, to stay within train.max_tokens 48\); "
+                       r"raise train.step_tokens or train.max_tokens$"):
         train(load_config(path), tmp_path / "run")
 
 

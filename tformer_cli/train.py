@@ -69,11 +69,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
         setup = Setup(config, run_dir, resume, device, notify, workers)
     model, state, data = setup.model, setup.state, _epoch_split(setup)
     accumulation = _accumulation(cfg, workers)
-    if cfg.step_tokens is not None:  # the epoch's steps are every process's: the same step, in batches of now
-        state.batch_in_epoch = state.batch_in_epoch // state.accumulation * accumulation
-    elif state.processes != workers.size:  # resumed by another number of processes: same place in the epoch
-        state.batch_in_epoch = math.ceil(state.batch_in_epoch * state.processes / workers.size)
-    state.processes, state.accumulation = workers.size, accumulation
+    _resume_in_batches_of_now(state, cfg, workers.size, accumulation)
     amp = autocast(device, cfg.precision)
     slow = slow_precision(device, cfg.precision)
     if slow:
@@ -81,9 +77,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     batches = _batches(data, cfg, state.epoch, workers)  # this epoch's (0.4 s on a WMT-sized corpus)
     first_epoch = batches if state.epoch == 0 else _batches(data, cfg, 0, workers)
     if not first_epoch:  # else every epoch would end before its first step
-        raise UsageError(f"the training split ({len(data):,} pairs) does not make a batch for each of the "
-                         f"{workers.size} processes; train with fewer processes, or lower train.max_tokens"
-                         + (" or train.step_tokens" if cfg.step_tokens else ""))
+        raise UsageError(_no_step(cfg, len(data), workers.size, accumulation))
     steps_per_epoch = math.ceil(len(first_epoch) / accumulation)
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, accumulation, total_steps))
@@ -204,6 +198,26 @@ def _accumulation(cfg: TrainConfig, workers: Workers) -> int:
     if cfg.step_tokens is None:
         return cfg.grad_accum
     return math.ceil(cfg.step_tokens / (workers.size * cfg.max_tokens))
+
+
+def _resume_in_batches_of_now(state: TrainState, cfg: TrainConfig, processes: int, accumulation: int) -> None:
+    """A resumed run's place in its epoch (``state.batch_in_epoch``) counted in this session's batches,
+    where the number of processes or of batches a step has changed."""
+    if cfg.step_tokens is not None:  # the epoch's steps are all processes', whatever their number
+        state.batch_in_epoch = state.batch_in_epoch // state.accumulation * accumulation
+    elif state.processes != processes:  # the same batches, dealt to another number: same place in the epoch
+        state.batch_in_epoch = math.ceil(state.batch_in_epoch * state.processes / processes)
+    state.processes, state.accumulation = processes, accumulation
+
+
+def _no_step(cfg: TrainConfig, pairs: int, processes: int, accumulation: int) -> str:
+    if cfg.step_tokens is None:
+        return (f"the training split ({pairs:,} pairs) makes fewer batches of train.max_tokens {cfg.max_tokens:,} "
+                f"than the {processes} processes; lower train.max_tokens, or train with fewer processes")
+    where = f" on {processes} processes" if processes > 1 else ""
+    return (f"train.step_tokens {cfg.step_tokens:,}: no step of the training split ({pairs:,} pairs) has a sentence "
+            f"for each of its {processes * accumulation} batches ({accumulation} a process{where}, to stay within "
+            f"train.max_tokens {cfg.max_tokens:,}); raise train.step_tokens or train.max_tokens")
 
 
 def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -> None:
