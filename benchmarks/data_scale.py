@@ -43,6 +43,7 @@ model:
   num_decoder_layers: 3
   d_ff: 1024
 train:
+  step_tokens: null
   max_tokens: 4096
   device: cpu
   precision: fp32
