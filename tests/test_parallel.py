@@ -73,6 +73,10 @@ def test_ddp_two_processes_train_as_one_process_accumulating_two_batches(tmp_pat
     for checkpoint in step_checkpoints(one):
         _assert_same_weights(one, two, f"checkpoints/{checkpoint.name}")
     _assert_same_losses(one, two)
+    # validated together, each process translating every other sentence: the scores one process gets
+    scores = [[(r["bleu"], r["chrf"], r["exact_match"]) for r in _records(run) if r["split"] == "validation"]
+              for run in (one, two)]
+    assert scores[0] == scores[1] and len(scores[0]) == 2
     # two processes' first 2 steps, resumed by one process taking two batches a step: the same run
     halfway = tmp_path / "halfway"
     _torchrun_ok(2, "train", str(config), "--output-dir", str(halfway), "--quiet", "--set", "train.max_steps=2")

@@ -215,6 +215,47 @@ def test_with_step_tokens_any_batches_a_step_take_the_same_steps_and_a_resume_ma
                               runs[600]["encoder.layers.0.ffn.linear1.weight"])
 
 
+def test_validating_together_each_process_takes_a_share_and_all_get_one_process_figures(tmp_path, monkeypatch):
+    """Under DDP every process validates every N-th batch and translates every N-th sentence; the
+    NLL sums and the translations are combined into the figures one process computes alone."""
+    import tformer_cli.evaluation as evaluation
+    import tformer_cli.train as training
+    from tformer_cli.run_setup import Setup
+
+    scored = []
+    score = evaluation.validation_scores
+    monkeypatch.setattr(evaluation, "validation_scores", lambda hyps, refs: scored.append(hyps) or score(hyps, refs))
+    config = load_config(write_config(tmp_path / "v.yaml", train={"eval_max_sentences": 15}))
+    setup = Setup(config, tmp_path / "run", False, torch.device("cpu"), lambda *args: None, Workers())
+    alone = training._validate(setup, setup.model, 0)
+
+    class Share:
+        """Rank ``rank`` of two; its collectives answered with what the other rank sent (``other``)."""
+
+        def __init__(self, rank, other=None):
+            self.rank, self.size, self.other, self.sent = rank, 2, other, {}
+
+        def sum(self, *values):
+            self.sent["sum"] = values
+            return [a + b for a, b in zip(values, self.other["sum"])] if self.other else list(values)
+
+        def gather(self, value):
+            self.sent["gather"] = value
+            return [value, self.other["gather"]] if self.other else [value]
+
+    second = Share(1)
+    setup.workers = second
+    training._validate(setup, setup.model, 0, together=True)  # its figures need the first's share
+    setup.workers = first = Share(0, second.sent)
+    together = training._validate(setup, setup.model, 0, together=True)
+    assert [len(share.sent["gather"]) for share in (first, second)] == [8, 7]  # sentences 0, 2, ... and 1, 3, ...
+    assert 0 < second.sent["sum"][1] < first.sent["sum"][1] + second.sent["sum"][1]  # tokens: a share each
+    assert together["loss"] == pytest.approx(alone["loss"], rel=1e-9)
+    assert len(set(scored[0])) > 1 and scored[-1] == scored[0]  # the shares' translations in order again
+    assert {k: together[k] for k in ("bleu", "chrf", "exact_match")} == {k: alone[k] for k in ("bleu", "chrf",
+                                                                                             "exact_match")}
+
+
 def test_a_split_too_small_for_a_batch_a_process_is_one_line(tmp_path):
     """Every epoch would end before its first step, and training would go round forever: one line."""
     path = write_config(tmp_path / "s.yaml", data={"max_samples": 3},

@@ -106,16 +106,19 @@ class LossResult:
 
 @torch.no_grad()
 def evaluate_loss(model: torch.nn.Module | Ensemble, split: EncodedSplit, max_tokens: int,
-                  device: torch.device | str = "cpu", batch_multiple: int = 1) -> LossResult:
+                  device: torch.device | str = "cpu", batch_multiple: int = 1, shard: tuple[int, int] = (0, 1)
+                  ) -> LossResult:
     """Teacher-forced mean NLL per target token over a whole split (of the ensemble's averaged
-    probabilities, for several models)."""
+    probabilities, for several models). ``shard`` (i, n): over every n-th batch from the i-th only,
+    one process's share of a loss that n processes compute together."""
     models = as_ensemble(model)
     was_training = [m.training for m in models.models]
     for m in models.models:
         m.eval()
     total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0  # read once, at the end
+    index, count = shard
     for indices in token_batches(split.src.lengths(), split.tgt.lengths(), max_tokens, shuffle=False,
-                                 multiple=batch_multiple):
+                                 multiple=batch_multiple)[index::count]:
         batch = collate(split, indices).to(device)
         if len(models.models) == 1:
             nll = label_smoothed_loss(models.models[0], batch, 0.0)[1]
@@ -149,24 +152,27 @@ def corpus_scores(hypotheses: list[str], references: list[str]) -> dict[str, flo
             "bleu_signature": str(bleu.get_signature())}
 
 
-def validation_bleu(model: torch.nn.Module, vocab, split: EncodedSplit, decode_cfg, max_sentences: int,
-                    device: torch.device | str = "cpu") -> dict[str, float]:
-    """Greedy-decode the first ``max_sentences`` validation pairs and score them against the raw targets."""
+def validation_hypotheses(model: torch.nn.Module, vocab, sources: list[str], decode_cfg,
+                          device: torch.device | str = "cpu") -> list[str]:
+    """Validation's greedy translations of ``sources``."""
     from tformer_cli.decoding import translate
 
     was_training = model.training
     model.eval()
-    pairs = split.pairs[:max_sentences]
-    options = _validation_search(decode_cfg)
-    results = translate(model, vocab, [source for source, _ in pairs], options, decode_cfg.batch_size, device,
+    results = translate(model, vocab, sources, _validation_search(decode_cfg), decode_cfg.batch_size, device,
                         max_tokens=decode_cfg.max_tokens)
     model.train(was_training)
-    scores = corpus_scores([r.outputs[0][0] for r in results], [target for _, target in pairs])
+    return [r.outputs[0][0] for r in results]
+
+
+def validation_scores(hypotheses: list[str], references: list[str]) -> dict[str, float]:
+    """The scores validation logs: cased BLEU, chrF and exact match."""
+    scores = corpus_scores(hypotheses, references)
     return {key: scores[key] for key in ("bleu", "chrf", "exact_match")}
 
 
 def validation_rows(decode_cfg, sentences: int) -> int:
-    """The most hypotheses a step of ``validation_bleu`` decodes together, over ``sentences`` sentences."""
+    """The most hypotheses a step of ``validation_hypotheses`` decodes together, over ``sentences`` sentences."""
     from tformer_cli.decoding import sentences_per_batch
 
     return min(sentences, sentences_per_batch(_validation_search(decode_cfg), decode_cfg.batch_size,

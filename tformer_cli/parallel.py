@@ -19,8 +19,9 @@ Either way the loss is normalised by all processes' target tokens, so N processe
 process takes with ``grad_accum`` N (or, with ``train.step_tokens``, the steps one process takes). Each step's token count and rank 0's clock (for ``max_time``)
 travel in one small all-reduce on the CPU (``Workers.sum``) with the signals that reached any of them,
 so the processes agree on when to stop, and why, without waiting on a GPU. Rank 0 alone writes the
-run folder and validates; the others receive its figures, so all agree on the best step and on early
-stopping. Checkpoints hold whole tensors (``gathered``), so a run resumes on any number of processes.
+run folder. Under DDP every process validates a share (every N-th batch and sentence: ``Workers.sum``,
+``Workers.gather``); under FSDP rank 0 validates the gathered weights and the others receive its
+figures. Either way all agree on the best step and on early stopping. Checkpoints hold whole tensors (``gathered``), so a run resumes on any number of processes.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch.utils._pytree import tree_map_only
 from tformer_cli.errors import TformerError, UsageError
 
 # How long a process waits in a collective for the others: long enough for rank 0 to validate with BLEU
-# while the others wait for its figures, short enough that a process stuck without a peer ends.
+# while the others wait for its figures (FSDP), short enough that a process stuck without a peer ends.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 left_group = False  # set by ``leave``: a successful process then ends through ``end_process``
 
@@ -82,6 +83,15 @@ class Workers:
         with self.together():
             dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's ``value`` (any picklable object), in rank order, on every process."""
+        if not self.grouped:
+            return [value]
+        values: list[Any] = [None] * self.size
+        with self.together():
+            dist.all_gather_object(values, value)
+        return values
 
     @contextmanager
     def together(self):

@@ -144,8 +144,12 @@ class Setup:
         # the other processes, and a resumed run, take the vocabulary in the run folder (rank 0's)
         from_run = resume or not self.workers.main
         vocab = run_vocabulary(self.run_dir, self.workers) if from_run else cached_vocabulary(data)
-        self.validates = data.validation_split is not None  # rank 0 validates; the others take its figures
-        splits = [data.train_split, *([data.validation_split] if self.validates and self.workers.main else [])]
+        self.validates = data.validation_split is not None
+        # under DDP every process holds the whole model and validates a share; under FSDP rank 0 alone
+        # (on the whole weights, gathered), and the others take its figures
+        self.validates_together = self.workers.size > 1 and self.config.train.parallel == "ddp"
+        validating = self.validates and (self.workers.main or self.validates_together)
+        splits = [data.train_split, *([data.validation_split] if validating else [])]
         if worth_preparing_apart(data) and not (vocab is not None and encodings_cached(data, splits, vocab)):
             # learnt and tokenised by a child process; this one reads the cache
             learning = "" if vocab is not None else "learning the BPE vocabulary and "

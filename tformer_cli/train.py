@@ -2,13 +2,14 @@
 batch -> forward -> loss -> backward -> clip -> step -> schedule -> callback -> evaluation -> checkpoint.
 
 Progress leaves through ``callback(event, data)``; nothing here prints. Under ``torchrun`` several
-processes train together (``parallel.py``: DDP or FSDP2): batches are sharded by rank, and only rank 0
-logs, validates and saves.
+processes train together (``parallel.py``: DDP or FSDP2): batches are sharded by rank, so is validation
+under DDP, and only rank 0 logs and saves.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 from contextlib import contextmanager, nullcontext
@@ -222,8 +223,8 @@ def _no_step(cfg: TrainConfig, pairs: int, processes: int, accumulation: int) ->
 
 def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -> None:
     """Have the speed layer compile, before the first step, the matrix-product kernels that training
-    would otherwise build as it meets them: those of validation's decoding, on the process that
-    validates (``linear.build_decoding_kernels``); then those of this epoch's batch shapes and of
+    would otherwise build as it meets them: those of validation's decoding, on the processes that
+    validate (``linear.build_decoding_kernels``); then those of this epoch's batch shapes and of
     validation, one pass of the objective per shape and one validation (``gemm.build_kernels`` says
     why; it does nothing where products are not on oneDNN). The latter not under torch.compile or
     autocast, whose products are not these, nor under FSDP, whose passes would be collectives.
@@ -231,9 +232,10 @@ def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -
     cfg = setup.config.train
     if setup.device.type != "cpu":
         return
-    validating = setup.validates and setup.workers.main
+    validating = setup.validates and (setup.workers.main or setup.validates_together)
     if validating and _validates_bleu(cfg):
         sentences = min(cfg.eval_max_sentences, len(setup.valid_data.pairs))
+        sentences = math.ceil(sentences / setup.workers.size) if setup.validates_together else sentences
         build_decoding_kernels(setup.replica if setup.sharded else setup.model,
                                validation_rows(setup.config.decode, sentences))
     if setup.compiled or cfg.precision != "fp32" or setup.sharded:
@@ -331,12 +333,16 @@ def _log(notify: Callback, log: "MetricsLog", state: TrainState, window: dict, l
 
 
 def _evaluate(setup: Setup, state: TrainState, notify: Callback) -> dict[str, Any]:
-    """Validation loss (and BLEU when configured), on rank 0; track the best weights and early stopping."""
+    """Validation loss (and BLEU when configured), on every process's share of the sentences under DDP
+    or on rank 0; track the best weights and early stopping."""
     cfg, main = setup.config.train, setup.workers.main
     _check_finite(setup.model, state.step, setup.workers)  # NaN weights would be the first run's "best"
     notify("evaluating", {"step": state.step})
     model = setup.whole_model()
-    record = setup.workers.from_main(_validate(setup, model, state.step) if main else None)
+    if setup.validates_together:
+        record = _validate(setup, setup.model, state.step, together=True)
+    else:
+        record = setup.workers.from_main(_validate(setup, model, state.step) if main else None)
     metric = -record["bleu"] if cfg.best_metric == "bleu" else record["loss"]
     improved = state.best is None or metric < state.best
     if improved:
@@ -355,16 +361,29 @@ def _evaluate(setup: Setup, state: TrainState, notify: Callback) -> dict[str, An
     return record
 
 
-def _validate(setup: Setup, model: torch.nn.Module, step: int, decode: DecodeConfig | None = None) -> dict[str, Any]:
-    from tformer_cli.evaluation import validation_bleu
+def _validate(setup: Setup, model: torch.nn.Module, step: int, decode: DecodeConfig | None = None,
+              together: bool = False) -> dict[str, Any]:
+    """The validation record: loss and perplexity, and the greedy translations' scores when configured.
+    ``together``: every process computes its share (every N-th batch, every N-th sentence) and all
+    get the same figures, as one process would compute them."""
+    from tformer_cli.evaluation import validation_hypotheses, validation_scores
 
-    cfg = setup.config.train
+    cfg, workers = setup.config.train, setup.workers
+    shard = (workers.rank, workers.size) if together else (0, 1)
     start = time.perf_counter()
-    result = evaluate_loss(model, setup.valid_data, cfg.max_tokens, setup.device, cfg.batch_multiple)
-    record: dict[str, Any] = {"step": step, "loss": result.loss, "ppl": result.perplexity}
+    part = evaluate_loss(model, setup.valid_data, cfg.max_tokens, setup.device, cfg.batch_multiple, shard)
+    loss = part.loss
+    if together:  # the shares' summed NLL over all their tokens
+        nll, tokens = workers.sum(part.loss * part.tokens, part.tokens)
+        loss = nll / max(tokens, 1)
+    record: dict[str, Any] = {"step": step, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
     if _validates_bleu(cfg):
-        record.update(validation_bleu(model, setup.vocab, setup.valid_data, decode or setup.config.decode,
-                                      cfg.eval_max_sentences, setup.device))
+        pairs = setup.valid_data.pairs[:cfg.eval_max_sentences]
+        sources = [source for source, _ in pairs][shard[0]::shard[1]]
+        ours = validation_hypotheses(model, setup.vocab, sources, decode or setup.config.decode, setup.device)
+        shares = workers.gather(ours) if together else [ours]
+        hypotheses = [h for row in itertools.zip_longest(*shares) for h in row if h is not None]  # in order again
+        record.update(validation_scores(hypotheses, [target for _, target in pairs]))
     record["seconds"] = time.perf_counter() - start
     return record
 
