@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from tformer_cli.config import TrainConfig
 from tformer_cli.encoding import EncodedSplit
 from tformer_cli.tokenizer import PAD_ID
 
@@ -97,6 +99,28 @@ def shared_out(steps: list[list[int]], processes: int, accumulation: int, rank: 
     than batches (the last of an epoch's length order, or one of a few very long sentences) is left out."""
     parts = processes * accumulation
     return [step[k::parts] for step in steps if len(step) >= parts for k in range(rank, parts, processes)]
+
+
+def epoch_batches(data: EncodedSplit, cfg: TrainConfig, epoch: int, rank: int = 0, processes: int = 1
+                  ) -> list[list[int]]:
+    """Process ``rank``'s batches of training ``epoch``, in their order; each optimizer step takes
+    ``batches_per_step`` consecutive ones. With ``train.step_tokens`` the steps are cut first, the same
+    for any number of processes, and shared out; else each process takes every N-th batch of
+    ``train.max_tokens``."""
+    lengths = data.src.lengths(), data.tgt.lengths()
+    if cfg.step_tokens is None:
+        return token_batches(*lengths, cfg.max_tokens, cfg.seed, epoch, rank=rank, world_size=processes,
+                             multiple=cfg.batch_multiple)
+    steps = token_batches(*lengths, cfg.step_tokens, cfg.seed, epoch, multiple=cfg.batch_multiple)
+    return shared_out(steps, processes, batches_per_step(cfg, processes), rank)
+
+
+def batches_per_step(cfg: TrainConfig, processes: int) -> int:
+    """Batches each process takes an optimizer step: ``train.grad_accum``, or as many as keep a share
+    of ``train.step_tokens`` within ``train.max_tokens``."""
+    if cfg.step_tokens is None:
+        return cfg.grad_accum
+    return math.ceil(cfg.step_tokens / (processes * cfg.max_tokens))
 
 
 def collate(split: EncodedSplit, indices: list[int]) -> Batch:

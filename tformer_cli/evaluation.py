@@ -6,10 +6,12 @@ projection and softmax, which dominate a small model's cost, are computed at non
 
 from __future__ import annotations
 
+import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -24,6 +26,7 @@ from tformer_cli.loss import linear_smoothed_cross_entropy
 if TYPE_CHECKING:
     from tformer_cli.config import DataConfig
     from tformer_cli.decoding import DecodeOptions
+    from tformer_cli.parallel import Workers
     from tformer_cli.tokenizer import Vocabulary
 
 
@@ -152,6 +155,36 @@ def corpus_scores(hypotheses: list[str], references: list[str]) -> dict[str, flo
             "bleu_signature": str(bleu.get_signature())}
 
 
+def validation_record(model: torch.nn.Module, vocab, split: EncodedSplit, train_cfg, decode_cfg, step: int,
+                      device: torch.device | str = "cpu", workers: "Workers | None" = None) -> dict[str, Any]:
+    """What training logs at a validation: loss and perplexity over ``split``, and with
+    ``validates_bleu`` the scores of greedy translations of its first ``train.eval_max_sentences``
+    sources. With ``workers``, each process computes its share (every N-th batch of the loss, every
+    N-th sentence) and all get the figures one process computes (``Workers.sum``, ``Workers.gather``)."""
+    shard = (workers.rank, workers.size) if workers else (0, 1)
+    start = time.perf_counter()
+    part = evaluate_loss(model, split, train_cfg.max_tokens, device, train_cfg.batch_multiple, shard)
+    loss = part.loss
+    if workers:  # the shares' summed NLL over all their tokens
+        nll, tokens = workers.sum(part.loss * part.tokens, part.tokens)
+        loss = nll / max(tokens, 1)
+    record: dict[str, Any] = {"step": step, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+    if validates_bleu(train_cfg):
+        pairs = split.pairs[:train_cfg.eval_max_sentences]
+        sources = [source for source, _ in pairs][shard[0]::shard[1]]
+        ours = validation_hypotheses(model, vocab, sources, decode_cfg, device)
+        shares = workers.gather(ours) if workers else [ours]
+        hypotheses = [h for row in itertools.zip_longest(*shares) for h in row if h is not None]  # in order again
+        record.update(validation_scores(hypotheses, [target for _, target in pairs]))
+    record["seconds"] = time.perf_counter() - start
+    return record
+
+
+def validates_bleu(train_cfg) -> bool:
+    """Whether validation translates and scores, not only computes the loss."""
+    return train_cfg.eval_bleu or train_cfg.best_metric == "bleu"
+
+
 def validation_hypotheses(model: torch.nn.Module, vocab, sources: list[str], decode_cfg,
                           device: torch.device | str = "cpu") -> list[str]:
     """Validation's greedy translations of ``sources``."""
@@ -192,8 +225,6 @@ def evaluate_run(model: torch.nn.Module | Ensemble, vocab: Vocabulary, data_cfg:
     then decoding (batches of ``batch_size`` sentences and ``decode_tokens`` hypothesis tokens): BLEU
     (cased and lowercased), chrF, exact match and speed, on one split. Returns the figures and the
     hypotheses in input order."""
-    import time
-
     from tformer_cli.data import load_pairs
     from tformer_cli.decoding import translate
     from tformer_cli.encoding import encode_split

@@ -9,7 +9,6 @@ under DDP, and only rank 0 logs and saves.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import time
 from contextlib import contextmanager, nullcontext
@@ -20,12 +19,13 @@ from typing import Any
 import torch
 
 from tformer_cli.accel import build_decoding_kernels, build_kernels
-from tformer_cli.batching import Batch, collate, shared_out, token_batches
+from tformer_cli.batching import Batch, batches_per_step, collate, epoch_batches
 from tformer_cli.config import Config, DecodeConfig, TrainConfig
 from tformer_cli.devices import autocast, matmul_peak, memory_mib, resolve_device, slow_precision
 from tformer_cli.encoding import EncodedSplit, resegment
 from tformer_cli.errors import CheckpointError, DivergedError, UsageError
-from tformer_cli.evaluation import Seq2SeqLoss, evaluate_loss, label_smoothed_loss, validation_rows
+from tformer_cli.evaluation import (Seq2SeqLoss, label_smoothed_loss, validates_bleu, validation_record,
+                                    validation_rows)
 from tformer_cli.files import WriteFailed
 from tformer_cli.optim import cosine_horizon, learning_rate
 from tformer_cli.parallel import Workers, gathered, gradient_sync, local, optimizer_state
@@ -69,14 +69,14 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     with signals.during_setup():
         setup = Setup(config, run_dir, resume, device, notify, workers)
     model, state, data = setup.model, setup.state, _epoch_split(setup)
-    accumulation = _accumulation(cfg, workers)
+    accumulation = batches_per_step(cfg, workers.size)
     _resume_in_batches_of_now(state, cfg, workers.size, accumulation)
     amp = autocast(device, cfg.precision)
     slow = slow_precision(device, cfg.precision)
     if slow:
         notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
-    batches = _batches(data, cfg, state.epoch, workers)  # this epoch's (0.4 s on a WMT-sized corpus)
-    first_epoch = batches if state.epoch == 0 else _batches(data, cfg, 0, workers)
+    batches = epoch_batches(data, cfg, state.epoch, workers.rank, workers.size)  # this epoch's (0.4 s on a WMT-sized corpus)
+    first_epoch = batches if state.epoch == 0 else epoch_batches(data, cfg, 0, workers.rank, workers.size)
     if not first_epoch:  # else every epoch would end before its first step
         raise UsageError(_no_step(cfg, len(data), workers.size, accumulation))
     steps_per_epoch = math.ceil(len(first_epoch) / accumulation)
@@ -132,7 +132,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
                 stop_reason = stop_reason or _stop_reason(cfg, state)
                 if stop_reason is None:
                     data = _epoch_split(setup)  # the next epoch's segmentation and batches
-                    batches = _batches(data, cfg, state.epoch, workers)
+                    batches = epoch_batches(data, cfg, state.epoch, workers.rank, workers.size)
         if stop_reason == "interrupted" and setup.saved_step != state.step:
             _checkpoint(setup, notify)  # at a step boundary, so that a resume continues exactly
     setup.log.close()
@@ -181,26 +181,6 @@ def _epoch_split(setup: Setup) -> EncodedSplit:
     return resegment(setup.train_data, setup.vocab, data) if data.bpe_dropout else setup.train_data
 
 
-def _batches(data: EncodedSplit, cfg: TrainConfig, epoch: int, workers: Workers) -> list[list[int]]:
-    """This process's batches of ``epoch``, in their order; each optimizer step takes ``_accumulation``
-    consecutive ones. With ``train.step_tokens`` the steps are cut first, the same for any number of
-    processes, and shared out; else each process takes every N-th batch of ``train.max_tokens``."""
-    lengths = data.src.lengths(), data.tgt.lengths()
-    if cfg.step_tokens is None:
-        return token_batches(*lengths, cfg.max_tokens, cfg.seed, epoch, rank=workers.rank, world_size=workers.size,
-                             multiple=cfg.batch_multiple)
-    steps = token_batches(*lengths, cfg.step_tokens, cfg.seed, epoch, multiple=cfg.batch_multiple)
-    return shared_out(steps, workers.size, _accumulation(cfg, workers), workers.rank)
-
-
-def _accumulation(cfg: TrainConfig, workers: Workers) -> int:
-    """Batches each process takes a step: ``train.grad_accum``, or as many as keep a share of
-    ``train.step_tokens`` within ``train.max_tokens``."""
-    if cfg.step_tokens is None:
-        return cfg.grad_accum
-    return math.ceil(cfg.step_tokens / (workers.size * cfg.max_tokens))
-
-
 def _resume_in_batches_of_now(state: TrainState, cfg: TrainConfig, processes: int, accumulation: int) -> None:
     """A resumed run's place in its epoch (``state.batch_in_epoch``) counted in this session's batches,
     where the number of processes or of batches a step has changed."""
@@ -233,7 +213,7 @@ def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -
     if setup.device.type != "cpu":
         return
     validating = setup.validates and (setup.workers.main or setup.validates_together)
-    if validating and _validates_bleu(cfg):
+    if validating and validates_bleu(cfg):
         sentences = min(cfg.eval_max_sentences, len(setup.valid_data.pairs))
         sentences = math.ceil(sentences / setup.workers.size) if setup.validates_together else sentences
         build_decoding_kernels(setup.replica if setup.sharded else setup.model,
@@ -363,33 +343,9 @@ def _evaluate(setup: Setup, state: TrainState, notify: Callback) -> dict[str, An
 
 def _validate(setup: Setup, model: torch.nn.Module, step: int, decode: DecodeConfig | None = None,
               together: bool = False) -> dict[str, Any]:
-    """The validation record: loss and perplexity, and the greedy translations' scores when configured.
-    ``together``: every process computes its share (every N-th batch, every N-th sentence) and all
-    get the same figures, as one process would compute them."""
-    from tformer_cli.evaluation import validation_hypotheses, validation_scores
-
-    cfg, workers = setup.config.train, setup.workers
-    shard = (workers.rank, workers.size) if together else (0, 1)
-    start = time.perf_counter()
-    part = evaluate_loss(model, setup.valid_data, cfg.max_tokens, setup.device, cfg.batch_multiple, shard)
-    loss = part.loss
-    if together:  # the shares' summed NLL over all their tokens
-        nll, tokens = workers.sum(part.loss * part.tokens, part.tokens)
-        loss = nll / max(tokens, 1)
-    record: dict[str, Any] = {"step": step, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
-    if _validates_bleu(cfg):
-        pairs = setup.valid_data.pairs[:cfg.eval_max_sentences]
-        sources = [source for source, _ in pairs][shard[0]::shard[1]]
-        ours = validation_hypotheses(model, setup.vocab, sources, decode or setup.config.decode, setup.device)
-        shares = workers.gather(ours) if together else [ours]
-        hypotheses = [h for row in itertools.zip_longest(*shares) for h in row if h is not None]  # in order again
-        record.update(validation_scores(hypotheses, [target for _, target in pairs]))
-    record["seconds"] = time.perf_counter() - start
-    return record
-
-
-def _validates_bleu(cfg: TrainConfig) -> bool:
-    return cfg.eval_bleu or cfg.best_metric == "bleu"
+    """``evaluation.validation_record`` of ``model``; ``together``: every process computes its share."""
+    return validation_record(model, setup.vocab, setup.valid_data, setup.config.train, decode or setup.config.decode,
+                             step, setup.device, setup.workers if together else None)
 
 
 def _checkpoint(setup: Setup, notify: Callback) -> None:
