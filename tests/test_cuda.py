@@ -236,3 +236,9 @@ def test_two_processes_on_cuda_train_as_one_process_accumulating(tmp_path, engin
     ours, theirs = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("one", "two"))
     for name in ours:
         torch.testing.assert_close(theirs[name], ours[name], rtol=1e-4, atol=1e-5)  # TF32 products where enabled
+    # validated together (each process a share, over NCCL or gloo): one process's figures
+    validations = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+                    if json.loads(line)["split"] == "validation"] for run in ("one", "two")]
+    assert [r["step"] for r in validations[0]] == [r["step"] for r in validations[1]] == [2, 4]
+    for alone, together in zip(*validations):  # (the scores: equal on a CPU; here TF32 may flip a near tie)
+        assert together["loss"] == pytest.approx(alone["loss"], rel=1e-4) and "chrf" in together
