@@ -493,8 +493,8 @@ def test_an_error_during_training_stops_the_live_progress_display(tmp_path, monk
     def diverging(config, run_dir, resume, callback, workers):
         callback("start", {"run_dir": str(run_dir), "device": "cpu", "processes": 1, "resumed_at": 0,
                            "parameters": 10, "train_pairs": 5, "validation_pairs": 0, "dropped_long": 0,
-                           "dropped_empty": 0, "truncated": 0, "steps_per_epoch": 1, "batches_per_step": 1, "total_steps": 4,
-                           "vocab_size": 20, "epoch": 0, "compiled": True})
+                           "dropped_empty": 0, "truncated": 0, "steps_per_epoch": 1, "batches_per_step": 1,
+                           "total_steps": 4, "vocab_size": 20, "epoch": 0, "compiled": True})
         raise DivergedError("training diverged at step 1: the weights are no longer finite")
 
     monkeypatch.setattr(render, "TrainProgress", Recorded)
@@ -520,8 +520,8 @@ def test_the_live_line_fits_an_80_column_terminal(monkeypatch):
     progress = render.TrainProgress()
     progress("start", {"run_dir": "runs/x", "device": "cuda", "processes": 1, "resumed_at": 0, "parameters": 10,
                        "train_pairs": 5, "validation_pairs": 0, "dropped_long": 0, "dropped_empty": 0, "truncated": 0,
-                       "steps_per_epoch": 1, "batches_per_step": 2, "total_steps": 100_000, "vocab_size": 20, "epoch": 0,
-                       "compiled": False})
+                       "steps_per_epoch": 1, "batches_per_step": 2, "total_steps": 100_000, "vocab_size": 20,
+                       "epoch": 0, "compiled": False})
     progress("step", {"step": 12_345, "total_steps": 100_000, "epoch": 3, "loss": 3.4561, "ppl": 31.7, "lr": 1e-3,
                       "tokens_per_s": 413_412.0, "mfu": 0.65, "gpu_peak_mib": 42_394, "elapsed": 1234.0})
     line = progress.progress.get_renderable()

@@ -106,7 +106,8 @@ def test_all_mistakes_are_reported_together(tmp_path):
         load_config(bad)
     bad.write_text("data:\n  max_length: 256\ntrain:\n  step_tokens: 100\n  grad_accum: 2\n")
     lines = _mistakes(bad)
-    assert f"{bad}: train.step_tokens: 100 is smaller than one sequence (data.max_length 256); raise it, or null" in lines
+    assert (f"{bad}: train.step_tokens: 100 is smaller than one sequence (data.max_length 256); raise it, "
+            "or null") in lines
     assert (f"{bad}: train.grad_accum: follows from train.step_tokens and max_tokens; leave it at 1, or set "
             "train.step_tokens=null") in lines
     bad.write_text("data:\n  subset: de-en\n  data_files:\n    train: t.jsonl\n")

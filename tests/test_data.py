@@ -403,7 +403,7 @@ def test_token_batches_respect_max_tokens_and_cover_every_example_once():
     for batch in batches:
         assert len(batch) * max(max(src[i], tgt[i]) for i in batch) <= 200
     assert token_batches(src, tgt, 200, seed=1, epoch=0) == batches
-    assert token_batches(torch.tensor(src), torch.tensor(tgt), 200, seed=1, epoch=0) == batches  # as Sequences give them
+    assert token_batches(torch.tensor(src), torch.tensor(tgt), 200, seed=1, epoch=0) == batches  # Sequences' kind
     assert token_batches(src, tgt, 200, seed=1, epoch=1) != batches
     # shuffled, each batch still spans its own stretch of the length order: ties broken, lengths never crossed
     spans = sorted([max(src[i], tgt[i]) for i in batch] for batch in batches)

@@ -5,9 +5,9 @@ on one machine or many (``launch.py``), or by ``torchrun``.
     tformer train configs/base.yaml --nproc-per-node 8 --nnodes 2 --rdzv-endpoint HOST:PORT   # on each machine
 
 Every process builds the same model and trains on its share of each step: every N-th batch of the
-epoch, or with ``train.step_tokens`` its batches of a step cut for all of them (``batching.shared_out``),
-which makes the steps the same on any number of processes. ``train.parallel`` picks the engine that keeps
-the processes' weights equal:
+epoch, or with ``train.step_tokens`` its batches of a step cut for all of them
+(``batching.shared_out``), which makes the steps the same on any number of processes.
+``train.parallel`` picks the engine that keeps the processes' weights equal:
 
 - ``ddp``: ``DistributedDataParallel``. Every process holds the whole model; gradients are averaged in
   buckets that start while the backward pass is still running.
@@ -16,12 +16,14 @@ the processes' weights equal:
   whose weights and optimizer state do not fit on one device.
 
 Either way the loss is normalised by all processes' target tokens, so N processes take the steps one
-process takes with ``grad_accum`` N (or, with ``train.step_tokens``, the steps one process takes). Each step's token count and rank 0's clock (for ``max_time``)
-travel in one small all-reduce on the CPU (``Workers.sum``) with the signals that reached any of them,
-so the processes agree on when to stop, and why, without waiting on a GPU. Rank 0 alone writes the
-run folder. Under DDP every process validates a share (every N-th batch and sentence: ``Workers.sum``,
-``Workers.gather``); under FSDP rank 0 validates the gathered weights and the others receive its
-figures. Either way all agree on the best step and on early stopping. Checkpoints hold whole tensors (``gathered``), so a run resumes on any number of processes.
+process takes with ``grad_accum`` N (with ``train.step_tokens``, the steps one process takes). Each
+step's token count and rank 0's clock (for ``max_time``) travel in one small all-reduce on the CPU
+(``Workers.sum``) with the signals that reached any of them, so the processes agree on when to stop,
+and why, without waiting on a GPU. Rank 0 alone writes the run folder. Under DDP every process
+validates a share (every N-th batch and sentence: ``Workers.sum``, ``Workers.gather``); under FSDP
+rank 0 validates the gathered weights and the others receive its figures. Either way all agree on the
+best step and on early stopping. Checkpoints hold whole tensors (``gathered``), so a run resumes on
+any number of processes.
 """
 
 from __future__ import annotations
