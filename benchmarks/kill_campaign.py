@@ -3,6 +3,7 @@ that the final weights equal those of a run that was never stopped, bit for bit.
 
     python benchmarks/kill_campaign.py                     # 20 kills each of SIGKILL, SIGINT, SIGTERM
     python benchmarks/kill_campaign.py --kills 5 --signals KILL --json out.json
+    python benchmarks/kill_campaign.py --kills 5 --set train.step_tokens=6000   # 2 batches a step
 
 Each trial starts `tformer train` on the demo model (shortened), sends the signal at a random moment of
 the run (setup, a step, validation, a checkpoint write: the moments are drawn over the whole run, and a
@@ -36,13 +37,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SIGNALS = {"KILL": signal.SIGKILL, "INT": signal.SIGINT, "TERM": signal.SIGTERM}
 
 
-def campaign_config(folder: Path, steps: int) -> Path:
+def campaign_config(folder: Path, steps: int, overrides: list[str] = ()) -> Path:
     """configs/demo.yaml, shortened to ``steps`` and checkpointed often, with no time limit (a limit in
-    seconds would stop a resumed run at another step than an uninterrupted one)."""
+    seconds would stop a resumed run at another step than an uninterrupted one); then ``overrides``
+    (``section.key=value``, as ``--set`` takes them)."""
     config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     config["data"]["dataset"] = str(ROOT / "data" / "numbers")
     config["train"].update(max_steps=steps, max_time=None, eval_every=steps // 3, save_every=steps // 6,
                            log_every=10, keep_last=100, eval_max_sentences=100, device="cpu")
+    for override in overrides:
+        key, value = override.split("=", 1)
+        section, name = key.split(".", 1)
+        config[section][name] = yaml.safe_load(value)
     path = folder / "campaign.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -133,11 +139,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120, help="length of the run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every trial here")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="a config override of the campaign's runs, e.g. train.step_tokens=6000")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="tformer-kills-"))
     env = {**os.environ, "TFORMER_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    config = campaign_config(work, args.steps)
+    config = campaign_config(work, args.steps, args.set)
     start = time.perf_counter()
     subprocess.run(tformer("train", str(config), "--output-dir", str(work / "reference"), "--quiet"),
                    check=True, env=env, cwd=ROOT)
