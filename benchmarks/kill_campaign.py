@@ -39,18 +39,18 @@ SIGNALS = {"KILL": signal.SIGKILL, "INT": signal.SIGINT, "TERM": signal.SIGTERM}
 
 def campaign_config(folder: Path, steps: int, overrides: list[str] = ()) -> Path:
     """configs/demo.yaml, shortened to ``steps`` and checkpointed often, with no time limit (a limit in
-    seconds would stop a resumed run at another step than an uninterrupted one); then ``overrides``
-    (``section.key=value``, as ``--set`` takes them)."""
+    seconds would stop a resumed run at another step than an uninterrupted one); then ``overrides``,
+    read as ``tformer train --set`` reads them (a mistake raises ``ConfigError``, one line)."""
+    from tformer_cli.config import load_config, to_yaml
+
     config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     config["data"]["dataset"] = str(ROOT / "data" / "numbers")
     config["train"].update(max_steps=steps, max_time=None, eval_every=steps // 3, save_every=steps // 6,
                            log_every=10, keep_last=100, eval_max_sentences=100, device="cpu")
-    for override in overrides:
-        key, value = override.split("=", 1)
-        section, name = key.split(".", 1)
-        config[section][name] = yaml.safe_load(value)
     path = folder / "campaign.yaml"
     path.write_text(yaml.safe_dump(config))
+    if overrides:
+        path.write_text(to_yaml(load_config(path, list(overrides))))
     return path
 
 
@@ -145,7 +145,13 @@ def main() -> None:
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="tformer-kills-"))
     env = {**os.environ, "TFORMER_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    config = campaign_config(work, args.steps, args.set)
+    from tformer_cli.errors import ConfigError
+
+    try:
+        config = campaign_config(work, args.steps, args.set)
+    except ConfigError as error:
+        shutil.rmtree(work, ignore_errors=True)
+        parser.error(str(error))
     start = time.perf_counter()
     subprocess.run(tformer("train", str(config), "--output-dir", str(work / "reference"), "--quiet"),
                    check=True, env=env, cwd=ROOT)
