@@ -58,6 +58,8 @@ class Setup:
     def __init__(self, config: Config, run_dir: Path, resume: bool, device: torch.device, notify: Callback,
                  workers: Workers) -> None:
         self.config, self.run_dir, self.device, self.workers = config, run_dir, device, workers
+        # under FSDP no process holds the whole model: rank 0 gathers it into a copy to validate and save
+        self.sharded = workers.grouped and config.train.parallel == "fsdp"
         # in turns: rank 0 learns the vocabulary, fills the cache and writes the run folder; then the first
         # process of each other node (which fills that node's cache, if it has its own); then the rest
         turn = 0 if workers.main else 1 if workers.local_rank == 0 else 2
@@ -77,8 +79,6 @@ class Setup:
         layers = [*self.model.encoder.layers, *self.model.decoder.layers]
         self.trainer = distribute(Seq2SeqLoss(self.model, cfg.label_smoothing, cfg.rdrop, loss), layers, workers,
                                   cfg.parallel, device)
-        # under FSDP no process holds the whole model: rank 0 gathers it into a copy to validate and save
-        self.sharded = workers.grouped and cfg.parallel == "fsdp"
         self.replica = self._build_model() if self.sharded and workers.main else None
         self.optimizer = make_optimizer(self.model, cfg, device)  # over the parameters as distributed
         # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
@@ -121,6 +121,12 @@ class Setup:
             raise _too_big(self.config, self.vocab, self.device) from None
         return accelerate(model, self.device, self.config.train.accel)  # the speed layer, unless train.accel is off
 
+    @property
+    def validates_together(self) -> bool:
+        """Under DDP every process holds the whole model and validates a share; under FSDP rank 0 alone
+        (on the whole weights, gathered), and the others take its figures."""
+        return self.workers.size > 1 and not self.sharded
+
     def whole_model(self) -> torch.nn.Module | None:
         """The model with its whole weights on rank 0 (None on the others). Under FSDP a collective
         that every process calls: the shards are gathered into rank 0's copy."""
@@ -145,9 +151,6 @@ class Setup:
         from_run = resume or not self.workers.main
         vocab = run_vocabulary(self.run_dir, self.workers) if from_run else cached_vocabulary(data)
         self.validates = data.validation_split is not None
-        # under DDP every process holds the whole model and validates a share; under FSDP rank 0 alone
-        # (on the whole weights, gathered), and the others take its figures
-        self.validates_together = self.workers.size > 1 and self.config.train.parallel == "ddp"
         validating = self.validates and (self.workers.main or self.validates_together)
         splits = [data.train_split, *([data.validation_split] if validating else [])]
         if worth_preparing_apart(data) and not (vocab is not None and encodings_cached(data, splits, vocab)):
