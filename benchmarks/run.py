@@ -288,9 +288,10 @@ def run_data(step_seconds: float | None) -> list[dict]:
 
 
 def add_ratios(records: list[dict]) -> None:
-    """ratio_vs_best_peer on tformer's records: > 1 is better for speed, < 1 better for memory."""
+    """ratio_vs_best_peer on tformer's records, its variants' (``tformer +compile``, the GPU default) each
+    against the best peer too, never against one another: > 1 is better for speed, < 1 better for memory."""
     for record in records:
-        if record["system"] != "tformer" or record["workload"] == "data":
+        if not record["system"].startswith("tformer") or record["workload"] == "data":
             continue
         peers = [r["median"] for r in records if r["workload"] == record["workload"] and r["size"] == record["size"]
                  and not r["system"].startswith("tformer")]
