@@ -23,7 +23,7 @@
 # syncs   where training and decoding wait for the GPU: 300 demo steps, then greedy and beam 4 over 64
 #         sentences, on CUDA under torch's sync debug mode; each synchronizing call is counted by the
 #         line of tformer that made it
-# train   `tformer train configs/base.yaml` in bf16 for $MINUTES minutes (default 10) on Multi30k;
+# train   `tformer train configs/base.yaml` (bf16 and compiled: a GPU's defaults) for $MINUTES minutes (default 10) on Multi30k;
 #         prints the run's own median tokens/s, TFLOP/s and MFU and its peak GPU memory; $TRAIN_SET adds a setting
 #         (the run compiles, train.compile: auto; TRAIN_SET=train.compile=false: the eager run)
 # train-start, train-wait   the train step detached from this call, and a later call's wait for it: a
@@ -182,7 +182,7 @@ EOF
 train() {
     rm -rf "$RESULTS/base-run"
     "$PYTHON" -m tformer_cli train configs/base.yaml --device cuda --output-dir "$RESULTS/base-run" --quiet --json \
-        --set "data.dataset=$MULTI30K" --set train.precision=bf16 --set "train.max_time=$((MINUTES * 60))" \
+        --set "data.dataset=$MULTI30K" --set "train.max_time=$((MINUTES * 60))" \
         ${TRAIN_SET:+--set "$TRAIN_SET"}
     "$PYTHON" - "$RESULTS/base-run/metrics.jsonl" <<'EOF'
 import json, statistics, sys

@@ -70,20 +70,21 @@ def train_step(model, model_config, device="cpu", **train):
 
     import tformer_cli.train as training
     from tformer_cli.config import Config, TrainConfig
-    from tformer_cli.devices import autocast
+    from tformer_cli.devices import autocast, training_precision
     from tformer_cli.evaluation import Seq2SeqLoss
     from tformer_cli.optim import make_optimizer
     from tformer_cli.parallel import Workers
     from tformer_cli.run_setup import TrainState
 
     device, cfg = torch.device(device), TrainConfig(**train)
+    precision = training_precision(cfg.precision, device)
     setup = SimpleNamespace(config=Config(model=model_config, train=cfg), workers=Workers(), state=TrainState(),
                             optimizer=make_optimizer(model, cfg, device), device=device, model=model, ema=None,
-                            scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
+                            scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
                             trainer=Seq2SeqLoss(model, cfg.label_smoothing, cfg.rdrop).train())
 
     def step(batch):
-        training._step(setup, [batch], batch.num_tokens, None, autocast(device, cfg.precision))
+        training._step(setup, [batch], batch.num_tokens, None, autocast(device, precision))
         setup.state.step += 1
 
     return step

@@ -494,7 +494,7 @@ def test_an_error_during_training_stops_the_live_progress_display(tmp_path, monk
         callback("start", {"run_dir": str(run_dir), "device": "cpu", "processes": 1, "resumed_at": 0,
                            "parameters": 10, "train_pairs": 5, "validation_pairs": 0, "dropped_long": 0,
                            "dropped_empty": 0, "truncated": 0, "steps_per_epoch": 1, "batches_per_step": 1,
-                           "total_steps": 4, "vocab_size": 20, "epoch": 0, "compiled": True})
+                           "total_steps": 4, "vocab_size": 20, "epoch": 0, "compiled": True, "precision": "fp32"})
         raise DivergedError("training diverged at step 1: the weights are no longer finite")
 
     monkeypatch.setattr(render, "TrainProgress", Recorded)
@@ -521,7 +521,7 @@ def test_the_live_line_fits_an_80_column_terminal(monkeypatch):
     progress("start", {"run_dir": "runs/x", "device": "cuda", "processes": 1, "resumed_at": 0, "parameters": 10,
                        "train_pairs": 5, "validation_pairs": 0, "dropped_long": 0, "dropped_empty": 0, "truncated": 0,
                        "steps_per_epoch": 1, "batches_per_step": 2, "total_steps": 100_000, "vocab_size": 20,
-                       "epoch": 0, "compiled": False})
+                       "epoch": 0, "compiled": False, "precision": "bf16"})
     progress("step", {"step": 12_345, "total_steps": 100_000, "epoch": 3, "loss": 3.4561, "ppl": 31.7, "lr": 1e-3,
                       "tokens_per_s": 413_412.0, "mfu": 0.65, "gpu_peak_mib": 42_394, "elapsed": 1234.0})
     line = progress.progress.get_renderable()
@@ -531,6 +531,7 @@ def test_the_live_line_fits_an_80_column_terminal(monkeypatch):
     text = shown.file.getvalue().strip()
     assert "12345/100000 loss 3.456 lr 1.0e-03 413,412 tok/s MFU 0.65 41.4 GiB ETA" in text and "…" not in text, text
     assert "1 steps an epoch of 2 batches a process" in " ".join(terminal.getvalue().split())
+    assert "runs/x on cuda in bf16:" in terminal.getvalue()  # the precision train.precision: auto chose
 
 
 def test_average_and_plot_commands_on_a_run(tmp_path):

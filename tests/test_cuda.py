@@ -133,7 +133,7 @@ def test_decoding_replayed_as_cuda_graphs_equals_the_plain_loop(precision, beams
                                    torch.tensor([getattr(h, key) for h in plain]), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("precision, compile", [("fp32", False), ("bf16", "auto"), ("fp16", False)])
+@pytest.mark.parametrize("precision, compile", [("fp32", False), ("auto", False), ("bf16", "auto"), ("fp16", False)])
 def test_training_on_cuda_with_autocast(tmp_path, precision, compile):
     path = write_config(tmp_path / "c.yaml", train={"device": "cuda", "precision": precision, "max_steps": 20,
                                                     "eval_every": 10, "eval_max_sentences": 10, "log_every": 5,
@@ -141,6 +141,9 @@ def test_training_on_cuda_with_autocast(tmp_path, precision, compile):
     events = []
     result = train(load_config(path), tmp_path / "run", callback=lambda e, d: events.append((e, d)))
     assert [d["compiled"] for e, d in events if e == "start"] == [compile == "auto"]  # auto: compiled on a GPU
+    recent = torch.cuda.get_device_capability() >= (8, 0)  # auto: bf16 on bf16 tensor cores
+    assert [d["precision"] for e, d in events if e == "start"] == [("bf16" if recent else "fp32")
+                                                                  if precision == "auto" else precision]
     losses = [d["loss"] for e, d in events if e == "step"]
     assert result.state.step == 20 and losses[-1] < losses[0]
     assert all(torch.isfinite(torch.tensor(losses)))

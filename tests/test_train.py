@@ -399,6 +399,22 @@ def test_bf16_autocast_trains_on_cpu_and_warns_where_it_would_be_slow(tmp_path, 
     assert (warnings == []) if native else ("set train.precision=fp32" in warnings[0])
 
 
+def test_precision_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores_and_fp32_elsewhere(tmp_path, monkeypatch):
+    from tformer_cli.devices import training_precision
+
+    capability = {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["of the GPU"])
+    cuda = torch.device("cuda")
+    for capability["of the GPU"], expected in (((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp32")):  # H100, A100, T4
+        assert training_precision("auto", cuda) == expected
+    assert [training_precision(setting, cuda) for setting in ("fp32", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
+    # a CPU trains in fp32 unless bf16 is asked for, whatever it has: the default config here
+    events = []
+    train(load_config(write_config(tmp_path / "a.yaml", train={"max_steps": 1, "device": "cpu"})), tmp_path / "run",
+          callback=lambda event, data: events.append((event, data)))
+    assert [data["precision"] for event, data in events if event == "start"] == ["fp32"]
+
+
 def test_bpe_dropout_resegments_the_training_split_every_epoch(tmp_path, monkeypatch):
     import tformer_cli.train as training
     from tformer_cli.encoding import resegment

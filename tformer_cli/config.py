@@ -93,10 +93,11 @@ class TrainConfig:
     output_dir: Optional[str] = None  # default runs/<config name>
     seed: int = 0  # seeds initialisation, dropout and data order
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when available
-    # fp32, or bf16 / fp16 autocast (bf16 on CPUs with AVX-512 BF16 or AMX)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    # torch.compile the encoder and decoder; auto: on a GPU (H200, base: 1.27x a step after ~160 s of
-    # compiling), not on a CPU (slower there)
+    # fp32, or bf16 / fp16 autocast (bf16 on CPUs with AVX-512 BF16 or AMX); auto: bf16 on a GPU with
+    # bf16 tensor cores (A100, H100 and later), fp32 elsewhere
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # torch.compile the encoder and decoder; auto: on a GPU (H200, base: 1.22x the tokens/s after ~98 s
+    # of compiling), not on a CPU (slower there)
     compile: Literal["auto", True, False] = "auto"
     accel: Literal["auto", "off"] = "auto"  # the speed layer (tformer_cli/accel): auto where it pays, off: plain
     parallel: Literal["ddp", "fsdp"] = "ddp"  # several processes: replicate the model (ddp), or shard it (fsdp)

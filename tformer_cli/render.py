@@ -122,6 +122,8 @@ class TrainProgress:
         resumed = f", resumed at step {data['resumed_at']:,}" if data["resumed_at"] else ""
         dropped = data["dropped_long"] + data["dropped_empty"]
         device = f"{data['device']} ({data['processes']} processes)" if data["processes"] > 1 else data["device"]
+        if data["precision"] != "fp32":
+            device += f" in {data['precision']}"
         err_console.print(
             Text.assemble(("training", "bold"), f" {data['run_dir']} on {device}{resumed}: "
             f"{human(data['parameters'])} parameters, "

@@ -13,6 +13,7 @@ import torch
 
 from tformer_cli.accel import accelerate
 from tformer_cli.config import Config, DataConfig
+from tformer_cli.devices import training_precision
 from tformer_cli.encoding import (
     EncodedSplit, cached_vocabulary, encodings_cached, load_encoded, prepare_apart, train_or_load_vocabulary,
     worth_preparing_apart)
@@ -82,7 +83,8 @@ class Setup:
         self.replica = self._build_model() if self.sharded and workers.main else None
         self.optimizer = make_optimizer(self.model, cfg, device)  # over the parameters as distributed
         # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
-        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+        self.precision = training_precision(cfg.precision, device)  # auto: bf16 on a recent GPU, fp32 elsewhere
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
         self.state, saved = TrainState(), {}
         # overrides given on resume are recorded in config.yaml with the first checkpoint made under them,
         # so that a resume whose overrides make it diverge leaves the run's config as it was

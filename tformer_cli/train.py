@@ -71,8 +71,8 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     model, state, data = setup.model, setup.state, _epoch_split(setup)
     accumulation = batches_per_step(cfg, workers.size)
     _resume_in_batches_of_now(state, cfg, workers.size, accumulation)
-    amp = autocast(device, cfg.precision)
-    slow = slow_precision(device, cfg.precision)
+    amp = autocast(device, setup.precision)
+    slow = slow_precision(device, setup.precision)
     if slow:
         notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
     # this epoch's batches (0.4 s on a WMT-sized corpus)
@@ -83,7 +83,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     steps_per_epoch = math.ceil(len(first_epoch) / accumulation)
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, accumulation, total_steps))
-    flops = _model_flops(setup, data, None if slow else matmul_peak(device, cfg.precision))
+    flops = _model_flops(setup, data, None if slow else matmul_peak(device, setup.precision))
     with signals.during_setup():  # set-up: a signal stops it at once, and the clocks start after it
         _build_kernels(setup, data, batches)
     stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
@@ -219,7 +219,7 @@ def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -
         sentences = math.ceil(sentences / setup.workers.size) if setup.validates_together else sentences
         build_decoding_kernels(setup.replica if setup.sharded else setup.model,
                                validation_rows(setup.config.decode, sentences))
-    if setup.compiled or cfg.precision != "fp32" or setup.sharded:
+    if setup.compiled or setup.precision != "fp32" or setup.sharded:
         return
     src, tgt = data.src.lengths(), data.tgt.lengths()
     shapes: dict[tuple[int, int, int], list[int]] = {}
@@ -243,7 +243,7 @@ def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -
 def _start_info(setup: Setup, steps_per_epoch: int, batches_per_step: int, total_steps: int | None) -> dict[str, Any]:
     data = setup.train_data
     return {"run_dir": str(setup.run_dir), "device": str(setup.device), "processes": setup.workers.size,
-            "compiled": setup.compiled, "resumed_at": setup.state.step,
+            "precision": setup.precision, "compiled": setup.compiled, "resumed_at": setup.state.step,
             "parameters": sum(p.numel() for p in setup.model.parameters()), "train_pairs": len(data),
             "validation_pairs": len(setup.valid_data) if setup.valid_data else 0,
             "dropped_long": data.dropped_long, "dropped_empty": data.dropped_empty, "truncated": data.truncated,
