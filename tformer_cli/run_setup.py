@@ -26,6 +26,7 @@ from tformer_cli.optim import make_optimizer
 from tformer_cli.params import total_params
 from tformer_cli.parallel import Workers, distribute, gathered, load_optimizer_state, shard_like
 from tformer_cli.run_folder import METRICS, WEIGHTS
+from tformer_cli.run_writer import RunWriter, writes_in_background
 from tformer_cli.runtime import (
     load_trainer_state, load_weights, save_run_files, seed_everything, set_rng_state, skipping_random_init,
     step_checkpoints)
@@ -85,6 +86,7 @@ class Setup:
         # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
         self.precision = training_precision(cfg.precision, device)  # auto: bf16 on a recent GPU, fp32 elsewhere
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
+        self.writer = RunWriter(writes_in_background(device))  # checkpoints: beside training on a GPU
         self.state, saved = TrainState(), {}
         # overrides given on resume are recorded in config.yaml with the first checkpoint made under them,
         # so that a resume whose overrides make it diverge leaves the run's config as it was

@@ -60,7 +60,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_weights(model: torch.nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Weights only, as safetensors (tied matrices stored once), written atomically."""
+    """Weights only, as safetensors (tied matrices stored once), written atomically (its folder made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     with replacing(path) as tmp:
         save_model(_unwrap(model), str(tmp), metadata=metadata)
 
@@ -92,10 +93,14 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
+def checkpoint_folder(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS / f"step-{step:08d}"
+
+
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any],
                     keep_last: int) -> Path:
     """Write checkpoints/step-N (weights + trainer state) atomically; keep only the last ``keep_last``."""
-    final = run_dir / CHECKPOINTS / f"step-{step:08d}"
+    final = checkpoint_folder(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     with replacing(final) as tmp:
         tmp.mkdir()

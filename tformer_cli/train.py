@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,17 +23,18 @@ from tformer_cli.batching import Batch, batches_per_step, collate, epoch_batches
 from tformer_cli.config import Config, DecodeConfig, TrainConfig
 from tformer_cli.devices import autocast, matmul_peak, memory_mib, resolve_device, slow_precision
 from tformer_cli.encoding import EncodedSplit, resegment
-from tformer_cli.errors import CheckpointError, DivergedError, UsageError
+from tformer_cli.errors import DivergedError, UsageError
 from tformer_cli.evaluation import (Seq2SeqLoss, label_smoothed_loss, validates_bleu, validation_record,
                                     validation_rows)
-from tformer_cli.files import WriteFailed
 from tformer_cli.optim import cosine_horizon, learning_rate
 from tformer_cli.parallel import Workers, gathered, gradient_sync, local, optimizer_state
 from tformer_cli.params import train_flops_per_token
 from tformer_cli.run_folder import CHECKPOINTS, WEIGHTS, holding
 from tformer_cli.run_setup import Callback, MetricsLog, Setup, TrainState
+from tformer_cli.run_writer import writing
 from tformer_cli.runs import StopSignals
-from tformer_cli.runtime import rng_state, save_checkpoint, save_run_files, save_weights, step_checkpoints
+from tformer_cli.runtime import (checkpoint_folder, rng_state, save_checkpoint, save_run_files, save_weights,
+                                 step_checkpoints)
 from tformer_cli.tensorboard import check_available as check_tensorboard
 
 
@@ -91,7 +92,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
     setup.trainer.train()
-    with signals.between_steps():
+    with signals.between_steps(), writing(run_dir), setup.writer.finishing():  # writes done on leaving
         while stop_reason is None:
             while state.batch_in_epoch < len(batches) and stop_reason is None:
                 # batch: this process's share of one optimizer step, consecutive batches
@@ -306,7 +307,7 @@ def _log(notify: Callback, log: "MetricsLog", state: TrainState, window: dict, l
         record["mfu"] = rate * flops["per_token"] / flops["peak"]
     record.update(memory_mib(device))  # this process's; the GPU's peak includes validation since the last line
     if workers.main:
-        with _writing(log.path.parent):
+        with writing(log.path.parent):
             log.write("train", record)
     notify("step", record)
     window.update(loss=0.0, tokens=0, start=now)
@@ -329,14 +330,15 @@ def _evaluate(setup: Setup, state: TrainState, notify: Callback) -> dict[str, An
     if improved:
         state.best, state.best_step, state.evals_without_improvement = metric, state.step, 0
         if main:
-            with _writing(setup.run_dir):
-                save_weights(model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
+            weights, best = setup.writer.weights(model), {"step": str(state.step)}
+            with writing(setup.run_dir):
+                setup.writer.submit(lambda: save_weights(weights, setup.run_dir / WEIGHTS, best))
     else:
         state.evals_without_improvement += 1
     record["best"] = improved
     state.history.append(record)
     if main:
-        with _writing(setup.run_dir):
+        with writing(setup.run_dir):
             setup.log.write("validation", record)
     notify("eval", record)
     return record
@@ -362,34 +364,27 @@ def _checkpoint(setup: Setup, notify: Callback) -> None:
         trainer_state["ema"] = gathered(setup.ema.state_dict())
     if setup.scaler.is_enabled():
         trainer_state["scaler"] = setup.scaler.state_dict()
-    model = setup.whole_model()
-    with _writing(setup.run_dir):
-        if setup.workers.main:
-            path = save_checkpoint(setup.run_dir, state.step, model, trainer_state, setup.config.train.keep_last)
-            if setup.config_unsaved:  # the config that the checkpoint continues under
-                save_run_files(setup.run_dir, setup.config)
-                setup.config_unsaved = False
-            if not setup.validates:  # no validation: the latest weights are the run's weights
-                save_weights(model, setup.run_dir / WEIGHTS, {"step": str(state.step)})
+    model, writer, run_dir, step = setup.whole_model(), setup.writer, setup.run_dir, state.step
+    with writing(run_dir):
+        if setup.workers.main:  # the weights and state of this step, written now or beside the next steps
+            weights, trainer_state = writer.weights(model), writer.frozen(trainer_state)
+            config = setup.config if setup.config_unsaved else None  # the config the checkpoint continues under
+            latest = not setup.validates  # no validation: the latest weights are the run's weights
+
+            def write() -> None:
+                save_checkpoint(run_dir, step, weights, trainer_state, setup.config.train.keep_last)
+                if config is not None:
+                    save_run_files(run_dir, config)
+                if latest:
+                    save_weights(weights, run_dir / WEIGHTS, {"step": str(step)})
+            writer.submit(write)
+            setup.config_unsaved = False
         if setup.ema is not None:  # the average as a checkpoint of its own, for eval and generate
             with setup.ema.applied():
                 average = setup.whole_model()
                 if setup.workers.main:
-                    (setup.run_dir / CHECKPOINTS / "ema").mkdir(exist_ok=True)
-                    save_weights(average, setup.run_dir / CHECKPOINTS / "ema" / WEIGHTS,
-                                 {"step": str(state.step), "ema_decay": str(setup.ema.decay)})
-    setup.saved_step = state.step
+                    average, about = writer.weights(average), {"step": str(step), "ema_decay": str(setup.ema.decay)}
+                    writer.submit(lambda: save_weights(average, run_dir / CHECKPOINTS / "ema" / WEIGHTS, about))
+    setup.saved_step = step
     if setup.workers.main:
-        notify("checkpoint", {"step": state.step, "path": str(path)})
-
-
-@contextmanager
-def _writing(run_dir: Path):
-    """A failed write of the run (a full disk, say) names the checkpoint that is intact and how to resume."""
-    try:
-        yield
-    except WriteFailed as exc:
-        last = step_checkpoints(run_dir)
-        then = (f"the last checkpoint, {last[-1].name}, is intact: {exc.fix}, then resume with tformer train "
-                f"--resume {run_dir}") if last else f"no checkpoint was written yet: {exc.fix}, then run the command again"
-        raise CheckpointError(f"{exc.what}; {then}") from exc
+        notify("checkpoint", {"step": step, "path": str(checkpoint_folder(run_dir, step))})
