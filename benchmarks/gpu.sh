@@ -186,10 +186,15 @@ train() {
         ${TRAIN_SET:+--set "$TRAIN_SET"}
     "$PYTHON" - "$RESULTS/base-run/metrics.jsonl" <<'EOF'
 import json, statistics, sys
-steps = [r for r in map(json.loads, open(sys.argv[1])) if r["split"] == "train"][1:]  # the first window warms up
+records = list(map(json.loads, open(sys.argv[1])))
+steps = [r for r in records if r["split"] == "train"][1:]  # the first window warms up
 for key in ("tokens_per_s", "tflops", "mfu"):
     print(f"median {key}: {statistics.median(r[key] for r in steps):,.3f} over {len(steps)} logged windows")
 print(f"peak GPU memory: {max(r['gpu_peak_mib'] for r in steps):,.0f} MiB (torch's tensors, validation included)")
+validations = [r for r in records if r["split"] == "validation"]
+print(f"{steps[-1]['step']:,} steps in {steps[-1]['elapsed']:,.0f} s, of which {len(validations)} validations "
+      f"{sum(r['seconds'] for r in validations):,.1f} s; last validation: loss {validations[-1]['loss']:.3f}, "
+      f"BLEU {validations[-1].get('bleu', float('nan')):.2f}")
 EOF
 }
 

@@ -65,7 +65,7 @@ class RunWriter:
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` after the jobs handed over before it; first raise the failure of one that ended."""
-        self._raise_failed([job for job in self._jobs if job.done()])
+        self._raise_failed([handed for handed in self._jobs if handed.done()])
         if self._pool is None:
             job()
             return
