@@ -152,6 +152,40 @@ def test_training_on_cuda_with_autocast(tmp_path, precision, compile):
     assert all(weights_mib < d["gpu_peak_mib"] < total_mib for e, d in events if e == "step")  # the window's peak
 
 
+def test_checkpoints_on_cuda_are_written_beside_training_and_hold_their_steps_weights(tmp_path, monkeypatch):
+    """On a GPU each checkpoint is copied to the host and written by the writer's thread while training
+    goes on (slowed here, so that steps run during the write): its weights are those of its step."""
+    import threading
+    import time
+
+    from safetensors.torch import load_file
+
+    import tformer_cli.train as training
+
+    at_step, threads = {}, []
+    checkpoint, save = training._checkpoint, training.save_checkpoint
+
+    def remembered(setup, notify):  # the weights when the loop hands the checkpoint over
+        at_step[setup.state.step] = {k: v.detach().cpu().clone() for k, v in setup.model.state_dict().items()}
+        checkpoint(setup, notify)
+
+    def slow(*args, **kwargs):
+        threads.append(threading.current_thread() is threading.main_thread())
+        time.sleep(0.5)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(training, "_checkpoint", remembered)
+    monkeypatch.setattr(training, "save_checkpoint", slow)
+    path = write_config(tmp_path / "c.yaml", train={"device": "cuda", "max_steps": 12, "save_every": 4,
+                                                    "keep_last": 5, "compile": False})
+    train(load_config(path), tmp_path / "run")
+    assert sorted(at_step) == [4, 8, 12] and threads == [False, False, False]
+    for step, weights in at_step.items():
+        written = load_file(str(tmp_path / "run" / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))
+        for name, tensor in written.items():
+            torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)
+
+
 def test_eval_in_bf16_on_cuda_holds_the_model_in_bf16_and_keeps_its_loss(trained_run, monkeypatch):
     """``eval --precision bf16`` on a GPU decodes with the model held in bf16 (cli_options.load_for_decoding),
     its teacher-forced loss within 2 % of fp32's."""
