@@ -100,3 +100,33 @@ def test_a_checkpoint_that_fails_to_write_stops_the_run_with_one_line_naming_the
     assert "step-00000002, is intact" in " ".join(result.stderr.split())
     assert [c.name for c in step_checkpoints(run)] == ["step-00000002"]
     assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_the_writer_runs_jobs_in_order_and_a_failed_write_does_not_hide_what_stopped_training():
+    """Leaving training by an error (Ctrl-C here), every job handed over has run, in order, and the
+    error that stopped training is the one raised, not the write that failed meanwhile."""
+    from tformer_cli.run_writer import RunWriter
+
+    writer, ran = RunWriter(background=True), []
+
+    def job(name, fails=False):
+        def run():
+            time.sleep(0.05)
+            ran.append((name, threading.current_thread() is threading.main_thread()))
+            if fails:
+                raise OSError(28, "No space left on device")
+        return run
+
+    with pytest.raises(KeyboardInterrupt):
+        with writer.finishing():
+            for name in ("step 2", "best"):
+                writer.submit(job(name))
+            writer.submit(job("step 4", fails=True))
+            writer.submit(job("step 6"))
+            raise KeyboardInterrupt
+    assert ran == [("step 2", False), ("best", False), ("step 4", False), ("step 6", False)]
+    # left normally, the failure is raised
+    writer = RunWriter(background=True)
+    with pytest.raises(OSError, match="No space left"):
+        with writer.finishing():
+            writer.submit(job("step 8", fails=True))
