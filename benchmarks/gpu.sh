@@ -19,7 +19,8 @@
 #         $SIZES (default base,big) picks the sizes: on an H100 paper-train at base alone took 5.5 minutes
 #         (2026-11-25; on 2026-11-27 compiling nn.Transformer took 4 of them, tformer's graph over 1.5;
 #         the peer now compiles once, 1.5x faster on a CPU) and paper-decode at both sizes over 8, so a
-#         10-minute call holds one size of each
+#         10-minute call holds one size of each. On an H200 (2026-11-28, a cold cache) the train half at
+#         base took 6.8 minutes with tformer-compile-layers added, and the memory half 2.3 after it
 # syncs   where training and decoding wait for the GPU: 300 demo steps, then greedy and beam 4 over 64
 #         sentences, on CUDA under torch's sync debug mode; each synchronizing call is counted by the
 #         line of tformer that made it
