@@ -131,6 +131,11 @@ class Setup:
         (on the whole weights, gathered), and the others take its figures."""
         return self.workers.size > 1 and not self.sharded
 
+    @property
+    def validates_here(self) -> bool:
+        """Whether this process validates (all of the split, or its share): it then loads the split."""
+        return self.validates and (self.workers.main or self.validates_together)
+
     def whole_model(self) -> torch.nn.Module | None:
         """The model with its whole weights on rank 0 (None on the others). Under FSDP a collective
         that every process calls: the shards are gathered into rank 0's copy."""
@@ -155,8 +160,7 @@ class Setup:
         from_run = resume or not self.workers.main
         vocab = run_vocabulary(self.run_dir, self.workers) if from_run else cached_vocabulary(data)
         self.validates = data.validation_split is not None
-        validating = self.validates and (self.workers.main or self.validates_together)
-        splits = [data.train_split, *([data.validation_split] if validating else [])]
+        splits = [data.train_split, *([data.validation_split] if self.validates_here else [])]
         if worth_preparing_apart(data) and not (vocab is not None and encodings_cached(data, splits, vocab)):
             # learnt and tokenised by a child process; this one reads the cache
             learning = "" if vocab is not None else "learning the BPE vocabulary and "

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map_only
 
 from tformer_cli.errors import CheckpointError
 from tformer_cli.files import WriteFailed
-from tformer_cli.runtime import step_checkpoints
+from tformer_cli.runtime import step_checkpoints, unwrapped
 
 
 def writes_in_background(device: torch.device) -> bool:
@@ -38,9 +38,12 @@ class RunWriter:
     or at once."""
 
     def __init__(self, background: bool) -> None:
-        self.background = background
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tformer-writer") if background else None
         self._jobs: list[Future] = []
+
+    @property
+    def background(self) -> bool:
+        return self._pool is not None
 
     def frozen(self, tree: Any) -> Any:
         """``tree`` (tensors in dicts and lists) as it is now, for a job: copies on the host when the job
@@ -60,13 +63,12 @@ class RunWriter:
 
     def weights(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model``'s weights as they are now, as a module that ``runtime.save_weights`` writes."""
-        return FrozenWeights(self.frozen(getattr(model, "_orig_mod", model).state_dict())) if self.background \
-            else model
+        return FrozenWeights(self.frozen(unwrapped(model).state_dict())) if self.background else model
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` after the jobs handed over before it; first raise the failure of one that ended."""
         self._raise_failed([handed for handed in self._jobs if handed.done()])
-        if self._pool is None:
+        if not self.background:
             job()
             return
         self._jobs.append(self._pool.submit(job))
@@ -90,7 +92,7 @@ class RunWriter:
         else:
             self.wait()
         finally:
-            if self._pool is not None:
+            if self.background:
                 self._pool.shutdown()
 
     def _raise_failed(self, done: list[Future]) -> None:

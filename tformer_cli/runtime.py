@@ -63,14 +63,14 @@ def save_weights(model: torch.nn.Module, path: Path, metadata: dict[str, str] | 
     """Weights only, as safetensors (tied matrices stored once), written atomically (its folder made)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with replacing(path) as tmp:
-        save_model(_unwrap(model), str(tmp), metadata=metadata)
+        save_model(unwrapped(model), str(tmp), metadata=metadata)
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
     """Load safetensors weights into ``model``; CheckpointError (one line) when they do not fit it."""
     from safetensors import safe_open
 
-    model = _unwrap(model)
+    model = unwrapped(model)
     try:
         with safe_open(str(path), "pt") as stored:
             shapes = {name: tuple(stored.get_slice(name).get_shape()) for name in stored.keys()}
@@ -89,7 +89,8 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
                               f"(missing {len(missing)}, unexpected {len(unexpected)} tensors)")
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module itself, under ``torch.compile``'s wrapper (whose weights' names it prefixes)."""
     return getattr(model, "_orig_mod", model)
 
 
@@ -104,7 +105,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
     final.parent.mkdir(parents=True, exist_ok=True)
     with replacing(final) as tmp:
         tmp.mkdir()
-        save_model(_unwrap(model), str(tmp / WEIGHTS))
+        save_model(unwrapped(model), str(tmp / WEIGHTS))
         torch.save(trainer_state, tmp / TRAINER)
     for old in step_checkpoints(run_dir)[:-keep_last]:
         remove_checkpoint(old)

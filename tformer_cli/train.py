@@ -214,8 +214,7 @@ def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -
     cfg = setup.config.train
     if setup.device.type != "cpu":
         return
-    validating = setup.validates and (setup.workers.main or setup.validates_together)
-    if validating and validates_bleu(cfg):
+    if setup.validates_here and validates_bleu(cfg):
         sentences = min(cfg.eval_max_sentences, len(setup.valid_data.pairs))
         sentences = math.ceil(sentences / setup.workers.size) if setup.validates_together else sentences
         build_decoding_kernels(setup.replica if setup.sharded else setup.model,
@@ -235,7 +234,7 @@ def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -
         torch.autograd.grad(loss, params, allow_unused=True)
 
     passes = [functools.partial(one_pass, ids) for ids in shapes.values()]
-    if validating:  # validation's loss, and its decoding's encoder: one token decoded
+    if setup.validates_here:  # validation's loss, and its decoding's encoder: one token decoded
         one_token = replace(setup.config.decode, max_len_a=0.0, max_len_b=1)
         passes.append(functools.partial(_validate, setup, setup.model, setup.state.step, one_token))
     build_kernels(passes)
