@@ -323,6 +323,14 @@ def _argument_cases() -> list[Case]:
         (["train", "{tmp}/c.yaml", "--resume", "{run}"], "give either a CONFIG"),
         (TRAIN[:2] + ["--output-dir", "{run}"], "already holds a run; continue it with --resume"),
         (TRAIN[:2] + ["--output-dir", "{tmp}/c.yaml"], "is a file; pick a folder"),
+        # what click itself cannot parse: one line too, naming the help that shows the usage
+        (["trian"], "No such command 'trian'. Did you mean 'train'? (tformer -h shows the usage)"),
+        (["--bogus"], "No such option: --bogus (tformer -h shows the usage)"),
+        (["eval"], "Missing argument 'run' (tformer eval -h shows the usage)"),
+        (gen + ["seven", "--beam"], "Option '--beam' requires an argument (tformer generate -h shows the usage)"),
+        (["count-params", "--layers", "two"], "Invalid value for '--layers': Input should be a valid integer, unable to parse string as an integer (tformer count-params -h"),
+        (["eval", "{run}", "--length-penalty", "high"], "Invalid value for '--length-penalty'"),
+        (["average", "{run}", "--last", "2", "--unknown"], "No such option: --unknown (tformer average -h shows the usage)"),
     ]
     cases = [Case(f"args/{i:02d}/{argv[0]}", argv, expect, files={"c.yaml": GOOD}) for i, (argv, expect) in
              enumerate(flags)]

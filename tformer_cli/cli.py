@@ -15,6 +15,11 @@ from typing import Annotated, NoReturn, Optional
 import typer
 from typer.core import TyperGroup
 
+try:  # recent typer keeps a copy of click of its own
+    from typer._click import exceptions as click_errors
+except ImportError:
+    from click import exceptions as click_errors
+
 from tformer_cli import __version__
 from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
@@ -25,7 +30,36 @@ from tformer_cli.launch import launch_training, launched, launched_rank, quieten
 
 
 class _ErrorBoundary(TyperGroup):
-    """Turns a TformerError into red lines on stderr and exit code 1; `--debug` shows the traceback."""
+    """Turns a TformerError into red lines on stderr and exit code 1; `--debug` shows the traceback.
+    A command line click cannot parse (an unknown command or option, a missing argument, a value that is
+    not a number) is one red line too, with exit code 2, where typer would draw a box under the usage."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: ANN001
+        if not standalone_mode:  # a caller that handles click's exceptions itself
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:  # not standalone: click raises its parsing errors and returns the exit code of typer.Exit
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except getattr(click_errors, "NoArgsIsHelpError", ()):  # `tformer` alone: typer has printed the help
+            sys.exit(2)
+        except click_errors.ClickException as exc:
+            from tformer_cli.render import error_lines
+
+            ctx = getattr(exc, "ctx", None)
+            error_lines(f"{exc.format_message().removesuffix('.')} ({self._command(ctx, args)} -h shows the usage)")
+            sys.exit(exc.exit_code)
+        except typer.Abort:  # end of input at a prompt
+            from tformer_cli.render import error_lines
+
+            error_lines("aborted")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+    def _command(self, ctx, args) -> str:  # noqa: ANN001
+        """The command an error belongs to: its context's, or the command named on the command line."""
+        if ctx is not None:
+            return f"tformer {ctx.info_name}" if ctx.parent is not None else "tformer"
+        named = next((arg for arg in (sys.argv[1:] if args is None else args) if arg in self.commands), None)
+        return f"tformer {named}" if named else "tformer"
 
     def invoke(self, ctx):  # noqa: ANN001 - click's signature
         try:
