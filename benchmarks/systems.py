@@ -48,7 +48,7 @@ SIZES = {
 }
 COMPILE_PEERS = False  # torch.compile nn.Transformer (benchmarks/run.py --scale paper: peers at their best)
 PRECISION = "fp32"  # the suite's precision (benchmarks/run.py --precision): CTranslate2 computes in it too
-HOLD_FOR_DECODING = True  # tformer decodes as `tformer eval` does: in bf16 on a GPU, the model held in bf16
+HOLD_FOR_DECODING = True  # tformer decodes as `tformer eval` does: in bf16 on a GPU, the model held in bf16 (Marian too)
 
 
 @dataclass
@@ -368,7 +368,11 @@ class Marian(System):
 
     def _generate(self, src, new_tokens, beams):
         self.model.eval()
-        with torch.inference_mode():
+        # held in bf16 where tformer's model is (its best honest setting: HF's torch_dtype=torch.bfloat16)
+        held = HOLD_FOR_DECODING and src.device.type == "cuda" and PRECISION == "bf16"
+        if held:
+            self.model.to(torch.bfloat16)
+        with torch.inference_mode(), torch.autocast(src.device.type, enabled=False) if held else nullcontext():
             return self.model.generate(input_ids=src, attention_mask=src != PAD, num_beams=beams, do_sample=False,
                                        max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True)
 
