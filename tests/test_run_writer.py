@@ -2,6 +2,7 @@
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,10 +58,18 @@ def test_checkpoints_written_beside_training_hold_their_step_as_those_written_at
         spans.append((step, start, time.perf_counter()))
         return path
 
+    announced = []
+
+    def callback(event, data):
+        if event == "step":
+            steps_logged.append((data["step"], time.perf_counter()))
+        elif event == "checkpoint":  # sent once the checkpoint is on disk
+            announced.append((data["step"], (Path(data["path"]) / "model.safetensors").exists()))
+
     monkeypatch.setattr(run_setup, "writes_in_background", lambda device: True)
     monkeypatch.setattr(training, "save_checkpoint", slow)
-    train(config, tmp_path / "beside",
-          callback=lambda event, data: steps_logged.append((data["step"], time.perf_counter())) if event == "step" else None)
+    train(config, tmp_path / "beside", callback=callback)
+    assert announced == [(2, True), (4, True), (6, True), (8, True)]
 
     ours, theirs = _files(tmp_path / "beside"), _files(tmp_path / "at-once")
     assert sorted(map(str, ours[0])) == ["checkpoints/ema/model.safetensors", "checkpoints/step-00000006/model.safetensors",

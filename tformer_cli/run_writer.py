@@ -9,7 +9,8 @@ written under a temporary name and renamed into place (``files.replacing``). On 
 once, where the copies would add a checkpoint's size to the process's memory.
 
 A write that fails is raised at the next hand-over, or when training ends; a run always waits for
-its writes before it returns, so a checkpoint it announced is on disk when the command exits.
+its writes before it returns. Training's "checkpoint" event is a job of its own, after the files': it
+is sent once they are on disk (on a GPU, from the writer's thread).
 """
 
 from __future__ import annotations

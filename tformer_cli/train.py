@@ -385,5 +385,5 @@ def _checkpoint(setup: Setup, notify: Callback) -> None:
                     average, about = writer.weights(average), {"step": str(step), "ema_decay": str(setup.ema.decay)}
                     writer.submit(lambda: save_weights(average, run_dir / CHECKPOINTS / "ema" / WEIGHTS, about))
     setup.saved_step = step
-    if setup.workers.main:
-        notify("checkpoint", {"step": step, "path": str(checkpoint_folder(run_dir, step))})
+    if setup.workers.main:  # once its files are on disk: on a GPU, from the writer's thread
+        writer.submit(lambda: notify("checkpoint", {"step": step, "path": str(checkpoint_folder(run_dir, step))}))
