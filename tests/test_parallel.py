@@ -249,7 +249,7 @@ def test_a_process_that_left_its_group_and_succeeded_skips_the_teardown(monkeypa
             cli.main()
         assert done.value.code == code and ended == expected
     printed = capsys.readouterr()
-    assert "Usage" in printed.out + printed.err
+    assert ("Usage" if code == 0 else "error: No such command 'no-such-command'") in printed.out + printed.err
 
 
 def test_a_mistake_stops_every_process_with_one_line_each(tmp_path):

@@ -1,4 +1,4 @@
-"""The `tformer` command line: thin commands over the library, and the one error boundary.
+"""The `tformer` command line: thin commands over the library (the error boundary: cli_boundary.py).
 
 Heavy imports (torch, datasets) happen inside command bodies so that `tformer --help` is instant.
 """
@@ -10,114 +10,22 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperGroup
-
-try:  # recent typer keeps a copy of click of its own
-    from typer._click import exceptions as click_errors
-except ImportError:
-    from click import exceptions as click_errors
 
 from tformer_cli import __version__
+from tformer_cli.cli_boundary import ErrorBoundary
 from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
     ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, NnodesOpt, NprocOpt, QuietOpt, RdzvOpt, RunArg, SetOpt,
     check_image_name, check_text)
-from tformer_cli.errors import CheckpointError, ConfigError, Interrupted, TformerError, UsageError, out_of_memory
+from tformer_cli.errors import CheckpointError, Interrupted, UsageError
 from tformer_cli.launch import launch_training, launched, launched_rank, quieten_torch, training_group
 
 
-class _ErrorBoundary(TyperGroup):
-    """Turns a TformerError into red lines on stderr and exit code 1; `--debug` shows the traceback.
-    A command line click cannot parse (an unknown command or option, a missing argument, a value that is
-    not a number) is one red line too, with exit code 2, where typer would draw a box under the usage."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # noqa: ANN001
-        if not standalone_mode:  # a caller that handles click's exceptions itself
-            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
-        try:  # not standalone: click raises its parsing errors and returns the exit code of typer.Exit
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except getattr(click_errors, "NoArgsIsHelpError", ()):  # `tformer` alone: typer has printed the help
-            sys.exit(2)
-        except click_errors.ClickException as exc:
-            from tformer_cli.render import error_lines
-
-            ctx = getattr(exc, "ctx", None)
-            error_lines(f"{exc.format_message().removesuffix('.')} ({self._command(ctx, args)} -h shows the usage)")
-            sys.exit(exc.exit_code)
-        except typer.Abort:  # end of input at a prompt
-            from tformer_cli.render import error_lines
-
-            error_lines("aborted")
-            sys.exit(1)
-        sys.exit(code if isinstance(code, int) else 0)
-
-    def _command(self, ctx, args) -> str:  # noqa: ANN001
-        """The command an error belongs to: its context's, or the command named on the command line."""
-        if ctx is not None:
-            return f"tformer {ctx.info_name}" if ctx.parent is not None else "tformer"
-        named = next((arg for arg in (sys.argv[1:] if args is None else args) if arg in self.commands), None)
-        return f"tformer {named}" if named else "tformer"
-
-    def invoke(self, ctx):  # noqa: ANN001 - click's signature
-        try:
-            return super().invoke(ctx)
-        except TformerError as exc:
-            self._failed(ctx, exc)
-        except OSError as exc:  # a file the user named cannot be read or written: no traceback for that
-            if exc.filename is None or ctx.params.get("debug"):
-                raise
-            from tformer_cli.render import error_lines
-
-            error_lines(f"{exc.filename}: {exc.strerror}")
-            raise typer.Exit(1) from None
-        except KeyboardInterrupt as exc:
-            # a signal while an error unwinds (a launcher stopping the others once one failed): the error says why
-            if isinstance(exc.__context__, TformerError):
-                self._failed(ctx, exc.__context__)
-            from tformer_cli.render import error_lines
-
-            error_lines("interrupted")
-            raise typer.Exit(128 + getattr(exc, "signum", signal.SIGINT)) from None
-        except RuntimeError as exc:  # out of memory: say which setting to lower, not where torch ran out
-            if not out_of_memory(exc) or ctx.params.get("debug"):
-                raise
-            from tformer_cli.render import error_lines
-
-            where = "GPU" if type(exc).__name__ == "OutOfMemoryError" else "CPU"
-            error_lines(f"out of {where} memory: {OUT_OF_MEMORY.get(ctx.invoked_subcommand, 'use a smaller model')}")
-            raise typer.Exit(1) from None
-
-    @staticmethod
-    def _failed(ctx, exc: TformerError) -> NoReturn:  # noqa: ANN001
-        """The error in one red line and exit code 1 (the traceback with --debug)."""
-        if ctx.params.get("debug"):
-            raise exc
-        from tformer_cli.render import error_lines
-
-        # a wrong command line or config is the same mistake in every process torchrun starts on a
-        # machine: the first says it, not all eight
-        if not (isinstance(exc, (ConfigError, UsageError)) and os.environ.get("LOCAL_RANK", "0") != "0"):
-            error_lines(str(exc))
-        raise typer.Exit(1) from None
-
-
-# What to lower when a command runs out of memory
-OUT_OF_MEMORY = {
-    "train": "lower train.max_tokens (with train.step_tokens a step keeps its tokens, in more batches; without, "
-             "raise train.grad_accum to keep them); a run with checkpoints goes on with tformer train --resume "
-             "RUN --set train.max_tokens=...",
-    "eval": "lower --batch-size or --max-tokens (what is decoded together), or --beam-size",
-    "generate": "lower --batch-size or --max-tokens (what is decoded together), or --beam-size or --nbest "
-                "(hypotheses a sentence)",
-    "inspect-attention": "use a shorter sentence",
-}
-
-
 app = typer.Typer(
-    cls=_ErrorBoundary,
+    cls=ErrorBoundary,
     help="Train, evaluate and inspect encoder-decoder Transformers (Vaswani et al. 2017).",
     no_args_is_help=True,
     rich_markup_mode="rich",
