@@ -109,7 +109,7 @@ def measure(label: str, step, device: torch.device, steps: int, warmup: int, rat
     for name, us in by_kind.most_common():
         print(f"   {us / steps / 1e3:8.2f} ms  {us / total:5.1%}  {name}")
     print("   costliest:")
-    for name, us in by_name.most_common(10):
+    for name, us in by_name.most_common(15):
         print(f"   {us / steps / 1e3:8.2f} ms  {us / total:5.1%}  {name}")
 
 
