@@ -2,6 +2,7 @@
 
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -80,15 +81,26 @@ def test_checkpoints_written_beside_training_hold_their_step_as_those_written_at
     assert step == 2 and [s for s, at in steps_logged if at < ended][-1] >= 4
 
 
-@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("background", [False, True, "fast"])
 def test_a_checkpoint_that_fails_to_write_stops_the_run_with_one_line_naming_the_last_intact(tmp_path, monkeypatch,
                                                                                              background):
     """Written beside training, the failure of step 4's write is found when step 6 hands over its own
-    (or when training ends): the same line, and step 2's checkpoint kept."""
+    (or when training ends): the same line, and step 2's checkpoint kept. "fast": the writer's thread
+    finishes each job before the next hand-over, so the failure is found at the step's own next one."""
     from typer.testing import CliRunner
 
     import tformer_cli.runtime as runtime
     from tformer_cli.cli import app
+    from tformer_cli.run_writer import RunWriter
+
+    if background == "fast":
+        submit = RunWriter.submit
+
+        def after_the_jobs_before(writer, job):
+            futures.wait(writer._jobs)
+            submit(writer, job)
+
+        monkeypatch.setattr(RunWriter, "submit", after_the_jobs_before)
 
     real, calls = runtime.save_model, []
 
@@ -99,7 +111,7 @@ def test_a_checkpoint_that_fails_to_write_stops_the_run_with_one_line_naming_the
         real(model, filename, *args, **kwargs)
 
     monkeypatch.setattr(runtime, "save_model", fills_the_disk)
-    monkeypatch.setattr(run_setup, "writes_in_background", lambda device: background)
+    monkeypatch.setattr(run_setup, "writes_in_background", lambda device: bool(background))
     run = tmp_path / "run"
     result = CliRunner().invoke(app, ["train", str(write_config(tmp_path / "t.yaml", train={"max_steps": 6,
                                                                                             "save_every": 2})),

@@ -384,6 +384,6 @@ def _checkpoint(setup: Setup, notify: Callback) -> None:
                 if setup.workers.main:
                     average, about = writer.weights(average), {"step": str(step), "ema_decay": str(setup.ema.decay)}
                     writer.submit(lambda: save_weights(average, run_dir / CHECKPOINTS / "ema" / WEIGHTS, about))
+        if setup.workers.main:  # announced once its files are on disk: on a GPU, from the writer's thread
+            writer.submit(lambda: notify("checkpoint", {"step": step, "path": str(checkpoint_folder(run_dir, step))}))
     setup.saved_step = step
-    if setup.workers.main:  # once its files are on disk: on a GPU, from the writer's thread
-        writer.submit(lambda: notify("checkpoint", {"step": step, "path": str(checkpoint_folder(run_dir, step))}))
