@@ -367,9 +367,11 @@ class Marian(System):
         return self.model(input_ids=batch.src, attention_mask=batch.src != PAD, decoder_input_ids=batch.tgt_in).logits
 
     def _generate(self, src, new_tokens, beams):
+        from tformer_cli.cli_options import held_in_bf16
+
         self.model.eval()
         # held in bf16 where tformer's model is (its best honest setting: HF's torch_dtype=torch.bfloat16)
-        held = HOLD_FOR_DECODING and src.device.type == "cuda" and PRECISION == "bf16"
+        held = HOLD_FOR_DECODING and held_in_bf16(src.device, PRECISION)
         if held:
             self.model.to(torch.bfloat16)
         with torch.inference_mode(), torch.autocast(src.device.type, enabled=False) if held else nullcontext():

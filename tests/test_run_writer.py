@@ -2,7 +2,6 @@
 
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -97,7 +96,7 @@ def test_a_checkpoint_that_fails_to_write_stops_the_run_with_one_line_naming_the
         submit = RunWriter.submit
 
         def after_the_jobs_before(writer, job):
-            futures.wait(writer._jobs)
+            writer.wait()
             submit(writer, job)
 
         monkeypatch.setattr(RunWriter, "submit", after_the_jobs_before)

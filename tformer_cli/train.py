@@ -92,7 +92,8 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
     setup.trainer.train()
-    with signals.between_steps(), writing(run_dir), setup.writer.finishing():  # writes done on leaving
+    # writes done on leaving; a failed one (a full disk) names the last intact checkpoint and how to resume
+    with signals.between_steps(), writing(run_dir), setup.writer.finishing():
         while stop_reason is None:
             while state.batch_in_epoch < len(batches) and stop_reason is None:
                 # batch: this process's share of one optimizer step, consecutive batches
@@ -306,8 +307,7 @@ def _log(notify: Callback, log: "MetricsLog", state: TrainState, window: dict, l
         record["mfu"] = rate * flops["per_token"] / flops["peak"]
     record.update(memory_mib(device))  # this process's; the GPU's peak includes validation since the last line
     if workers.main:
-        with writing(log.path.parent):
-            log.write("train", record)
+        log.write("train", record)
     notify("step", record)
     window.update(loss=0.0, tokens=0, start=now)
     _check_finite(model, state.step, workers, loss)
@@ -330,15 +330,13 @@ def _evaluate(setup: Setup, state: TrainState, notify: Callback) -> dict[str, An
         state.best, state.best_step, state.evals_without_improvement = metric, state.step, 0
         if main:
             weights, best = setup.writer.weights(model), {"step": str(state.step)}
-            with writing(setup.run_dir):
-                setup.writer.submit(lambda: save_weights(weights, setup.run_dir / WEIGHTS, best))
+            setup.writer.submit(lambda: save_weights(weights, setup.run_dir / WEIGHTS, best))
     else:
         state.evals_without_improvement += 1
     record["best"] = improved
     state.history.append(record)
     if main:
-        with writing(setup.run_dir):
-            setup.log.write("validation", record)
+        setup.log.write("validation", record)
     notify("eval", record)
     return record
 
@@ -364,26 +362,25 @@ def _checkpoint(setup: Setup, notify: Callback) -> None:
     if setup.scaler.is_enabled():
         trainer_state["scaler"] = setup.scaler.state_dict()
     model, writer, run_dir, step = setup.whole_model(), setup.writer, setup.run_dir, state.step
-    with writing(run_dir):
-        if setup.workers.main:  # the weights and state of this step, written now or beside the next steps
-            weights, trainer_state = writer.weights(model), writer.frozen(trainer_state)
-            config = setup.config if setup.config_unsaved else None  # the config the checkpoint continues under
-            latest = not setup.validates  # no validation: the latest weights are the run's weights
+    if setup.workers.main:  # the weights and state of this step, written now or beside the next steps
+        weights, trainer_state = writer.weights(model), writer.frozen(trainer_state)
+        config = setup.config if setup.config_unsaved else None  # the config the checkpoint continues under
+        latest = not setup.validates  # no validation: the latest weights are the run's weights
 
-            def write() -> None:
-                save_checkpoint(run_dir, step, weights, trainer_state, setup.config.train.keep_last)
-                if config is not None:
-                    save_run_files(run_dir, config)
-                if latest:
-                    save_weights(weights, run_dir / WEIGHTS, {"step": str(step)})
-            writer.submit(write)
-            setup.config_unsaved = False
-        if setup.ema is not None:  # the average as a checkpoint of its own, for eval and generate
-            with setup.ema.applied():
-                average = setup.whole_model()
-                if setup.workers.main:
-                    average, about = writer.weights(average), {"step": str(step), "ema_decay": str(setup.ema.decay)}
-                    writer.submit(lambda: save_weights(average, run_dir / CHECKPOINTS / "ema" / WEIGHTS, about))
-        if setup.workers.main:  # announced once its files are on disk: on a GPU, from the writer's thread
-            writer.submit(lambda: notify("checkpoint", {"step": step, "path": str(checkpoint_folder(run_dir, step))}))
+        def write() -> None:
+            save_checkpoint(run_dir, step, weights, trainer_state, setup.config.train.keep_last)
+            if config is not None:
+                save_run_files(run_dir, config)
+            if latest:
+                save_weights(weights, run_dir / WEIGHTS, {"step": str(step)})
+        writer.submit(write)
+        setup.config_unsaved = False
+    if setup.ema is not None:  # the average as a checkpoint of its own, for eval and generate
+        with setup.ema.applied():
+            average = setup.whole_model()
+            if setup.workers.main:
+                average, about = writer.weights(average), {"step": str(step), "ema_decay": str(setup.ema.decay)}
+                writer.submit(lambda: save_weights(average, run_dir / CHECKPOINTS / "ema" / WEIGHTS, about))
+    if setup.workers.main:  # announced once its files are on disk: on a GPU, from the writer's thread
+        writer.submit(lambda: notify("checkpoint", {"step": step, "path": str(checkpoint_folder(run_dir, step))}))
     setup.saved_step = step
