@@ -172,6 +172,22 @@ def test_train_compile_takes_the_steps_the_eager_loop_takes(tmp_path):
         torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5)
 
 
+def test_a_run_that_ends_by_train_epochs_validates_and_saves_its_last_step(tmp_path):
+    """The last epoch's last step is the run's last: validated and saved, though train.eval_every and
+    train.save_every do not fall on it (they did not, and the last steps' training was never written)."""
+    path = write_config(tmp_path / "e.yaml", data={"max_samples": 120},
+                        train={"max_steps": None, "epochs": 3, "eval_every": 4, "save_every": 4, "log_every": 1})
+    events = []
+    result = train(load_config(path), tmp_path / "run", callback=lambda e, d: events.append((e, d)))
+    steps = result.state.step
+    assert result.stop_reason == "reached train.epochs 3" and steps % 4 and result.state.epoch == 3
+    assert [d["step"] for e, d in events if e == "eval"] == [*range(4, steps, 4), steps]
+    assert [c.name for c in step_checkpoints(tmp_path / "run")][-1] == f"step-{steps:08d}"
+    assert result.last_eval["step"] == steps
+    config, run_dir = prepare_run(None, tmp_path / "run", ["train.epochs=4"], None)  # and it resumes from there
+    assert train(config, run_dir, resume=True).state.step > steps
+
+
 def test_resuming_gives_the_same_weights_as_training_straight_through(tmp_path):
     from safetensors.torch import load_file
 

@@ -87,7 +87,8 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     flops = _model_flops(setup, data, None if slow else matmul_peak(device, setup.precision))
     with signals.during_setup():  # set-up: a signal stops it at once, and the clocks start after it
         _build_kernels(setup, data, batches)
-    stop_reason, last_eval = _stop_reason(cfg, state), None  # a resumed run may already be at its limit
+    # a resumed run may already be at its limit
+    stop_reason, last_eval = _stop_reason(cfg, state, state.batch_in_epoch >= len(batches)), None
     stopped_by: int | None = None
     window = {"loss": 0.0, "tokens": 0, "start": time.perf_counter()}
     session_start, elapsed_before = time.perf_counter(), state.elapsed
@@ -120,7 +121,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
                 window["tokens"] += group_tokens
                 if state.step % cfg.log_every == 0:  # callback
                     _log(notify, setup.log, state, window, lr, total_steps, workers, model, flops, device)
-                stop_reason = _stop_reason(cfg, state)
+                stop_reason = _stop_reason(cfg, state, state.batch_in_epoch >= len(batches))
                 paused = time.perf_counter()  # validation and checkpoints do not count in training tokens/s
                 if setup.validates and (state.step % cfg.eval_every == 0 or stop_reason):  # evaluation
                     last_eval = _evaluate(setup, state, notify)
@@ -274,10 +275,12 @@ def _total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int | None:
     return min(limits) if limits else None
 
 
-def _stop_reason(cfg: TrainConfig, state: TrainState) -> str | None:
+def _stop_reason(cfg: TrainConfig, state: TrainState, epoch_over: bool = False) -> str | None:
+    """Why training stops after the step it is at (None: it goes on); ``epoch_over``: that step ends its
+    epoch, so that the last epoch's last step is validated and saved as the last step of a run."""
     if cfg.max_steps and state.step >= cfg.max_steps:
         return f"reached train.max_steps {cfg.max_steps}"
-    if cfg.epochs and state.epoch >= cfg.epochs:
+    if cfg.epochs and state.epoch + epoch_over >= cfg.epochs:
         return f"reached train.epochs {cfg.epochs}"
     if cfg.max_time and state.elapsed >= cfg.max_time:
         return f"reached train.max_time {cfg.max_time:g} s"
