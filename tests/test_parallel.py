@@ -233,6 +233,20 @@ def test_two_processes_with_dropout_resume_bit_for_bit(tmp_path):
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
+@pytest.mark.slow
+def test_two_processes_train_with_bpe_dropout_and_resume_on_one(tmp_path):
+    """Over gloo, rank 0 hands each epoch's segmentation to the other process (which takes it instead of
+    drawing: test_train's test of the hand-over), their checkpoints keep it, and one process resumes."""
+    config = write_config(tmp_path / "b.yaml", model={"dropout": 0.0}, data={"bpe_dropout": 0.3, "max_samples": 400},
+                          train={"max_steps": None, "epochs": 3, "save_every": 2, "eval_every": 1000})
+    run = tmp_path / "run"
+    summary = json.loads(_torchrun_ok(2, "train", str(config), "--output-dir", str(run), "--quiet", "--json").stdout)
+    assert summary["stop_reason"] == "reached train.epochs 3"
+    assert all((checkpoint / "segmentation.safetensors").is_file() for checkpoint in step_checkpoints(run))
+    _one_process("train", "--resume", str(run), "--set", "train.epochs=4", "--set", "train.grad_accum=2")
+    assert [r["epoch"] for r in _records(run) if r["split"] == "train"][-1] == 3  # the fourth epoch
+
+
 @pytest.mark.parametrize(("argv", "code", "skipped"), [(["--help"], 0, [0]), (["no-such-command"], 2, [])])
 def test_a_process_that_left_its_group_and_succeeded_skips_the_teardown(monkeypatch, capsys, argv, code, skipped):
     """After the process group, a successful process skips the interpreter's teardown (gloo's threads

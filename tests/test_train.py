@@ -432,16 +432,16 @@ def test_precision_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores_and_fp32_elsewhe
 
 
 def test_bpe_dropout_resegments_the_training_split_every_epoch(tmp_path, monkeypatch):
-    import tformer_cli.train as training
-    from tformer_cli.encoding import resegment
+    import tformer_cli.segmentation as segmentation
 
     drawn = []
 
     def recording(*args):
-        drawn.append(resegment(*args))
+        drawn.append(segmentation.resegment.__wrapped__(*args))
         return drawn[-1]
 
-    monkeypatch.setattr(training, "resegment", recording)
+    recording.__wrapped__ = segmentation.resegment
+    monkeypatch.setattr(segmentation, "resegment", recording)
     path = write_config(tmp_path / "b.yaml", train={"max_steps": None, "epochs": 2},
                         data={"bpe_dropout": 0.3, "max_samples": 60})
     events = []
@@ -452,8 +452,87 @@ def test_bpe_dropout_resegments_the_training_split_every_epoch(tmp_path, monkeyp
     assert start["steps_per_epoch"] == len(token_batches([len(s) for s in drawn[0].src],
                                                          [len(t) for t in drawn[0].tgt], 600,
                                                          multiple=load_config(path).train.batch_multiple))
-    with pytest.raises(UsageError, match="data.bpe_dropout needs a single process"):
-        train(load_config(path), tmp_path / "ddp", workers=Workers(0, 2))
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["drawn-at-each-epoch", "drawn-while-the-epoch-before-trains"])
+def test_bpe_dropout_a_resumed_run_goes_on_over_the_segmentation_it_stopped_in(tmp_path, monkeypatch, ahead):
+    """tokenizers' BPE-dropout takes no seed, so a draw cannot be made again: each epoch's is kept with its
+    checkpoints (one file, linked), and a run stopped mid-epoch resumes over it. The test hands out
+    real draws in order: a run that drew its epoch again on resuming would train on the next one's."""
+    import tformer_cli.run_setup as run_setup
+    import tformer_cli.segmentation as segmentation
+    from tformer_cli.encoding import read_encoded
+    from tformer_cli.run_folder import SEGMENTATION, foreign_files
+
+    draw = segmentation.resegment
+    monkeypatch.setattr(run_setup, "draws_ahead", lambda device: ahead)  # as on a GPU: on a thread, an epoch ahead
+    path = write_config(tmp_path / "b.yaml", train={"max_steps": None, "epochs": 3, "save_every": 2, "keep_last": 20},
+                        data={"bpe_dropout": 0.3, "max_samples": 120})
+    draws = []
+    monkeypatch.setattr(segmentation, "resegment", lambda *args: draws.append(draw(*args)) or draws[-1])
+    events = []
+    straight = train(load_config(path), tmp_path / "straight", callback=lambda e, d: events.append((e, d)))
+    assert len(draws) == 3 + ahead  # drawn ahead: one more, for an epoch that never came
+    epoch_of = {d["step"]: d["epoch"] for e, d in events if e == "step"}
+    checkpoints = step_checkpoints(tmp_path / "straight")
+    epochs = [epoch_of[int(c.name[5:])] for c in checkpoints]
+    assert len(set(epochs)) == 3
+    for checkpoint, epoch in zip(checkpoints, epochs):  # each holds its epoch's draw: one file an epoch, linked
+        assert read_encoded(checkpoint / SEGMENTATION).tgt == draws[epoch].tgt
+        assert (checkpoint / SEGMENTATION).stat().st_nlink == epochs.count(epoch)
+    assert not foreign_files(tmp_path / "straight")  # tformer's own files: --overwrite and keep_last remove them
+    replay = iter(draws)
+    monkeypatch.setattr(segmentation, "resegment", lambda *args: next(replay))
+    second_epoch = [step for step, epoch in epoch_of.items() if epoch == 1]
+    assert len(second_epoch) >= 3  # stopped in the middle of it
+    train(load_config(path, [f"train.max_steps={second_epoch[1]}", "train.save_every=1000"]), tmp_path / "resumed")
+    # resumed, it draws from epoch 2 on (a run that drew its epoch again would train on epoch 2's draw)
+    monkeypatch.setattr(segmentation, "resegment", lambda *args, later=iter(draws[2:]): next(later))
+    config, run_dir = prepare_run(None, tmp_path / "resumed", ["train.max_steps=null"], None)
+    assert train(config, run_dir, resume=True).state.step == straight.state.step
+    ours, theirs = _weights(tmp_path / "straight"), _weights(run_dir)
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_a_checkpoint_without_its_bpe_dropout_segmentation_resumes_with_a_warning_or_one_line(tmp_path, damage):
+    from tformer_cli.run_folder import SEGMENTATION
+
+    path = write_config(tmp_path / "b.yaml", train={"max_steps": 3}, data={"bpe_dropout": 0.3, "max_samples": 120})
+    train(load_config(path), tmp_path / "run")
+    stored = step_checkpoints(tmp_path / "run")[-1] / SEGMENTATION
+    if damage == "missing":  # as a checkpoint from before tformer kept them
+        stored.unlink()
+    else:
+        stored.write_bytes(stored.read_bytes()[:100])
+    config, run_dir = prepare_run(None, tmp_path / "run", ["train.max_steps=5"], None)
+    events = []
+    if damage == "corrupt":
+        with pytest.raises(CheckpointError, match=rf"{SEGMENTATION}: unreadable segmentation .*; resume from an "
+                                                  "earlier checkpoint by deleting this one"):
+            train(config, run_dir, resume=True)
+        return
+    assert train(config, run_dir, resume=True, callback=lambda e, d: events.append((e, d))).state.step == 5
+    assert [d["message"] for e, d in events if e == "warning"] == [
+        "step-00000003 holds no BPE-dropout segmentation of its epoch: the rest of the epoch is segmented afresh, so "
+        "the run will not match one that was never stopped"]
+
+
+def test_under_bpe_dropout_every_process_trains_on_rank_0s_draw(tmp_path, monkeypatch):
+    """The other processes take rank 0's segmentation (``Workers.from_main``); none draws its own."""
+    import tformer_cli.segmentation as segmentation
+    from tformer_cli.encoding import EncodedSplit
+
+    rank_0s = EncodedSplit([[5, 2]], [[1, 6, 2]], [("a", "b")])
+
+    class Rank1(Workers):
+        def from_main(self, value):
+            assert value is None
+            return rank_0s
+
+    monkeypatch.setattr(segmentation, "resegment", lambda *args: pytest.fail("a process other than rank 0 drew"))
+    drawn = segmentation.Segmentations(None, None, None, Rank1(1, 2), ahead=True)
+    assert drawn.of_epoch(0).split is rank_0s and drawn.of_epoch(1).split is rank_0s
 
 
 @pytest.mark.parametrize("eval_every", [1000, 3], ids=["caught-by-the-checkpoint", "caught-by-validation"])

@@ -83,6 +83,8 @@ class DataConfig:
     lowercase: bool = False  # lowercase the text before BPE
     # BPE-dropout (Provilkov et al. 2020): while training, each merge is skipped with this probability and the
     # training split is segmented afresh every epoch; validation, test and decoding keep the plain segmentation.
+    # Each checkpoint keeps its epoch's segmentation, so that a resume goes on exactly (tokenizers' draws take no
+    # seed: train.seed does not fix them).
     bpe_dropout: float = 0.0
 
 

@@ -30,6 +30,7 @@ from tformer_cli.run_writer import RunWriter, writes_in_background
 from tformer_cli.runtime import (
     load_trainer_state, load_weights, save_run_files, seed_everything, set_rng_state, skipping_random_init,
     step_checkpoints)
+from tformer_cli.segmentation import Segmentation, Segmentations, draws_ahead, read_segmentation
 from tformer_cli.tensorboard import TensorBoard
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
@@ -96,11 +97,15 @@ class Setup:
             saved = self._restore(checkpoint)
             self.saved_step = self.state.step
         data = self.train_data.signature()
-        if self.state.train_data not in (None, data):
+        data_unchanged = self.state.train_data in (None, data)
+        if not data_unchanged:
             notify("warning", {"message": f"the training split differs from the one {checkpoint.name} was trained on "
                                f"({len(self.train_data):,} pairs now): training goes on over the new data, so the "
                                "run will not match one that was never stopped"})
         self.state.train_data = data
+        self.segmentations = self._segmentations(checkpoint, data_unchanged, notify) if config.data.bpe_dropout \
+            else None
+        self.segmentation: Segmentation | None = None  # the epoch's, under BPE-dropout: kept with its checkpoints
         # where rank 0 logs figures; TensorBoard drops what it logged after the checkpoint, as _restore
         # trims metrics.jsonl
         board = TensorBoard(run_dir, self.state.step + 1 if checkpoint is not None else None) \
@@ -111,6 +116,23 @@ class Setup:
         if self.ema is not None and "ema" in saved:
             shadow = [shard_like(t, s) for t, s in zip(saved["ema"]["shadow"], self.ema.shadow)]
             self.ema.load_state_dict({**saved["ema"], "shadow": shadow})
+
+    def epoch_split(self) -> EncodedSplit:
+        """The training split of the epoch under way: under BPE-dropout, segmented for it."""
+        if self.segmentations is None:
+            return self.train_data
+        self.segmentation = self.segmentations.of_epoch(self.state.epoch)
+        return self.segmentation.split
+
+    def _segmentations(self, checkpoint: Path | None, data_unchanged: bool, notify: Callback) -> Segmentations:
+        """BPE-dropout's draws; resumed, first the one the checkpoint was trained on."""
+        resumed = read_segmentation(checkpoint, self.state.epoch) if checkpoint is not None and data_unchanged \
+            else None
+        if checkpoint is not None and data_unchanged and resumed is None and self.state.batch_in_epoch:
+            notify("warning", {"message": f"{checkpoint.name} holds no BPE-dropout segmentation of its epoch: the rest "
+                               "of the epoch is segmented afresh, so the run will not match one that was never stopped"})
+        return Segmentations(self.train_data, self.vocab, self.config.data, self.workers, draws_ahead(self.device),
+                             resumed)
 
     def _build_model(self, draw: bool = True) -> torch.nn.Module:
         """The model on the training device, with the speed layer; its weights drawn, or with ``draw``

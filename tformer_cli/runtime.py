@@ -23,6 +23,7 @@ import pickle
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,14 +100,17 @@ def checkpoint_folder(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict[str, Any],
-                    keep_last: int) -> Path:
-    """Write checkpoints/step-N (weights + trainer state) atomically; keep only the last ``keep_last``."""
+                    keep_last: int, fill: Callable[[Path], None] | None = None) -> Path:
+    """Write checkpoints/step-N (weights + trainer state, and what ``fill`` writes into the folder)
+    atomically; keep only the last ``keep_last``."""
     final = checkpoint_folder(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     with replacing(final) as tmp:
         tmp.mkdir()
         save_model(unwrapped(model), str(tmp / WEIGHTS))
         torch.save(trainer_state, tmp / TRAINER)
+        if fill is not None:
+            fill(tmp)
     for old in step_checkpoints(run_dir)[:-keep_last]:
         remove_checkpoint(old)
     return final

@@ -22,7 +22,7 @@ from tformer_cli.accel import build_decoding_kernels, build_kernels
 from tformer_cli.batching import Batch, batches_per_step, collate, epoch_batches
 from tformer_cli.config import Config, DecodeConfig, TrainConfig
 from tformer_cli.devices import autocast, matmul_peak, memory_mib, resolve_device, slow_precision
-from tformer_cli.encoding import EncodedSplit, resegment
+from tformer_cli.encoding import EncodedSplit
 from tformer_cli.errors import DivergedError, UsageError
 from tformer_cli.evaluation import (Seq2SeqLoss, label_smoothed_loss, validates_bleu, validation_record,
                                     validation_rows)
@@ -59,9 +59,6 @@ def train(config: Config, run_dir: Path, resume: bool = False, callback: Callbac
 def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | None, workers: Workers) -> TrainResult:
     notify: Callback = callback if callback and workers.main else (lambda event, data: None)
     cfg = config.train
-    if workers.size > 1 and config.data.bpe_dropout:
-        raise UsageError("data.bpe_dropout needs a single process: each process would draw its own "
-                         "segmentation and their batches would differ; set data.bpe_dropout=0")
     if cfg.tensorboard:
         check_tensorboard()  # before any data is loaded
     device = resolve_device(cfg.device)
@@ -69,7 +66,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     signals = StopSignals()
     with signals.during_setup():
         setup = Setup(config, run_dir, resume, device, notify, workers)
-    model, state, data = setup.model, setup.state, _epoch_split(setup)
+    model, state, data = setup.model, setup.state, setup.epoch_split()
     accumulation = batches_per_step(cfg, workers.size)
     _resume_in_batches_of_now(state, cfg, workers.size, accumulation)
     amp = autocast(device, setup.precision)
@@ -135,7 +132,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
                 state.batch_in_epoch = 0
                 stop_reason = stop_reason or _stop_reason(cfg, state)
                 if stop_reason is None:
-                    data = _epoch_split(setup)  # the next epoch's segmentation and batches
+                    data = setup.epoch_split()  # the next epoch's segmentation and batches
                     batches = epoch_batches(data, cfg, state.epoch, workers.rank, workers.size)
         if stop_reason == "interrupted" and setup.saved_step != state.step:
             _checkpoint(setup, notify)  # at a step boundary, so that a resume continues exactly
@@ -177,12 +174,6 @@ def _step(setup: Setup, group: list[Batch], group_tokens: int, total_steps: int 
     if setup.ema is not None:
         setup.ema.update()
     return nll_sum, lr
-
-
-def _epoch_split(setup: Setup) -> EncodedSplit:
-    """The training split for one epoch: segmented afresh with BPE-dropout when data.bpe_dropout is set."""
-    data = setup.config.data
-    return resegment(setup.train_data, setup.vocab, data) if data.bpe_dropout else setup.train_data
 
 
 def _resume_in_batches_of_now(state: TrainState, cfg: TrainConfig, processes: int, accumulation: int) -> None:
@@ -369,9 +360,13 @@ def _checkpoint(setup: Setup, notify: Callback) -> None:
         weights, trainer_state = writer.weights(model), writer.frozen(trainer_state)
         config = setup.config if setup.config_unsaved else None  # the config the checkpoint continues under
         latest = not setup.validates  # no validation: the latest weights are the run's weights
+        segmentation = setup.segmentation  # under BPE-dropout, the epoch's, for a resume to continue over
 
         def write() -> None:
-            save_checkpoint(run_dir, step, weights, trainer_state, setup.config.train.keep_last)
+            folder = save_checkpoint(run_dir, step, weights, trainer_state, setup.config.train.keep_last,
+                                     segmentation and segmentation.store)
+            if segmentation is not None:
+                segmentation.note_stored(folder)
             if config is not None:
                 save_run_files(run_dir, config)
             if latest:

@@ -1,0 +1,112 @@
+"""BPE-dropout (``data.bpe_dropout``): the training split segmented afresh for each epoch.
+
+tokenizers draws the merges it drops from a generator that no seed reaches, so an epoch's segmentation
+cannot be drawn twice alike. It is kept instead: in each checkpoint made during the epoch (one file,
+hard-linked from checkpoint to checkpoint), and a resumed run goes on over the segmentation it stopped
+in, as a run never stopped would. With several processes rank 0 draws and the others take its draw.
+Training on a GPU, the next epoch's segmentation is drawn on the host while this epoch trains, so that
+the device does not wait for it at the epoch's end.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tformer_cli.config import DataConfig
+from tformer_cli.encoding import EncodedSplit, read_encoded, resegment, write_encoded
+from tformer_cli.errors import CheckpointError
+from tformer_cli.parallel import Workers
+from tformer_cli.run_folder import SEGMENTATION
+from tformer_cli.tokenizer import Vocabulary
+
+
+def draws_ahead(device: torch.device) -> bool:
+    """Whether the next epoch's segmentation is drawn while this one trains: on GPUs, whose host is
+    otherwise idle (on a CPU the draw would take the cores that training uses)."""
+    return device.type == "cuda"
+
+
+class Segmentation:
+    """One epoch's segmentation of the training split, and the checkpoint file that holds it (if any)."""
+
+    def __init__(self, epoch: int, split: EncodedSplit, file: Path | None = None) -> None:
+        self.epoch, self.split, self.file = epoch, split, file
+
+    def store(self, checkpoint: Path) -> None:
+        """Into ``checkpoint``, a checkpoint folder being written: a hard link to the last checkpoint's
+        copy where there is one, else the split written out (``note_stored`` then names the new copy)."""
+        path = checkpoint / SEGMENTATION
+        if self.file is not None:
+            try:
+                os.link(self.file, path)
+                return
+            except OSError:  # deleted since, or a file system without hard links
+                pass
+        write_encoded(self.split, path)
+
+    def note_stored(self, checkpoint: Path) -> None:
+        self.file = checkpoint / SEGMENTATION
+
+
+def read_segmentation(checkpoint: Path, epoch: int) -> Segmentation | None:
+    """The segmentation that ``checkpoint`` (of epoch ``epoch``) was trained on; None for a checkpoint
+    without one (trained without BPE-dropout, or by a tformer that did not keep them)."""
+    path = checkpoint / SEGMENTATION
+    if not path.is_file():
+        return None
+    try:
+        return Segmentation(epoch, read_encoded(path), path)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable segmentation ({exc}); resume from an earlier checkpoint by "
+                              "deleting this one") from None
+
+
+class Segmentations:
+    """Each epoch's segmentation of ``train_data``, in turn, the same on every process: ``resumed``,
+    a checkpoint's, serves its own epoch; ``ahead``: each draw starts as the epoch before it begins."""
+
+    def __init__(self, train_data: EncodedSplit, vocab: Vocabulary, cfg: DataConfig, workers: Workers,
+                 ahead: bool, resumed: Segmentation | None = None) -> None:
+        self._draw: Callable[[], EncodedSplit] = lambda: resegment(train_data, vocab, cfg)
+        self._workers, self._ahead, self._resumed = workers, ahead, resumed
+        self._drawing: _Drawing | None = None
+
+    def of_epoch(self, epoch: int) -> Segmentation:
+        if self._resumed is not None and self._resumed.epoch == epoch:
+            found, self._resumed = self._resumed, None
+        else:
+            split = None
+            if self._workers.main:
+                split = self._drawing.result() if self._drawing is not None else self._draw()
+            found = Segmentation(epoch, self._workers.from_main(split))
+        if self._ahead and self._workers.main:
+            self._drawing = _Drawing(self._draw)
+        return found
+
+
+class _Drawing:
+    """A draw on a thread of its own, which tokenizers lets run beside training (it releases the GIL
+    while it encodes). A daemon: a run that stops does not wait for a draw it will not use."""
+
+    def __init__(self, draw: Callable[[], EncodedSplit]) -> None:
+        self._split: EncodedSplit | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(draw,), name="tformer-bpe-dropout", daemon=True)
+        self._thread.start()
+
+    def _run(self, draw: Callable[[], EncodedSplit]) -> None:
+        try:
+            self._split = draw()
+        except BaseException as exc:  # raised again where the draw is taken
+            self._error = exc
+
+    def result(self) -> EncodedSplit:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._split
