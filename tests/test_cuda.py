@@ -186,6 +186,34 @@ def test_checkpoints_on_cuda_are_written_beside_training_and_hold_their_steps_we
             torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)
 
 
+def test_on_cuda_bpe_dropout_draws_the_next_epoch_beside_training_and_checkpoints_keep_each(tmp_path, monkeypatch):
+    """On a GPU the next epoch's segmentation is drawn on a thread while this epoch trains, and the
+    writer's thread stores each epoch's in its checkpoints."""
+    import threading
+
+    import tformer_cli.segmentation as segmentation
+    from tformer_cli.encoding import read_encoded
+    from tformer_cli.runtime import step_checkpoints
+
+    draw, draws, on_main = segmentation.resegment, [], []
+
+    def recorded(*args):
+        on_main.append(threading.current_thread() is threading.main_thread())
+        draws.append(draw(*args))
+        return draws[-1]
+
+    monkeypatch.setattr(segmentation, "resegment", recorded)
+    path = write_config(tmp_path / "b.yaml", data={"bpe_dropout": 0.3, "max_samples": 120},
+                        train={"device": "cuda", "compile": False, "max_steps": None, "epochs": 3, "keep_last": 20,
+                               "save_every": 1, "eval_every": 1000})
+    events = []
+    train(load_config(path), tmp_path / "run", callback=lambda e, d: events.append((e, d)))
+    assert on_main == [True, False, False, False]  # the first epoch's before training; the rest beside it
+    epoch_of = {d["step"]: d["epoch"] for e, d in events if e == "step"}
+    for checkpoint in step_checkpoints(tmp_path / "run"):
+        assert read_encoded(checkpoint / "segmentation.safetensors").tgt == draws[epoch_of[int(checkpoint.name[5:])]].tgt
+
+
 def test_eval_in_bf16_on_cuda_holds_the_model_in_bf16_and_keeps_its_loss(trained_run, monkeypatch):
     """``eval --precision bf16`` on a GPU decodes with the model held in bf16 (cli_options.load_for_decoding),
     its teacher-forced loss within 2 % of fp32's."""
