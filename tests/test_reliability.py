@@ -258,6 +258,38 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_files(tmp_path, monkeyp
     assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
 
 
+def test_a_disk_full_at_an_epochs_bpe_dropout_segmentation_is_one_line_and_the_run_resumes(tmp_path, monkeypatch):
+    """The segmentation a checkpoint keeps is written inside the checkpoint's folder: a full disk there
+    leaves the checkpoint before it (with its own segmentation) intact, and the run resumes from it."""
+    import tformer_cli.encoding as encoding
+    from safetensors import SafetensorError
+
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 14, "save_every": 2, "keep_last": 20},
+                          data={"bpe_dropout": 0.3, "max_samples": 120})
+    run = tmp_path / "run"
+    real, written = encoding.save_file, []
+
+    def fills_the_disk(tensors, filename, metadata=None):  # at the run's second segmentation, not the cache's
+        if str(run) in str(filename):
+            written.append(filename)
+            if len(written) > 1:
+                raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                      "message: \"No space left on device\" })")
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(encoding, "save_file", fills_the_disk)
+    result = _train(config, "--output-dir", run)
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert "No space left on device" in result.stderr and f"resume with tformer train --resume {run}" in result.stderr
+    assert f"could not write {run / 'checkpoints' / 'step-'}" in result.stderr  # the checkpoint it was part of
+    assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
+    last = step_checkpoints(run)[-1]
+    assert (last / "segmentation.safetensors").is_file()
+    monkeypatch.undo()
+    resumed = runner.invoke(app, ["train", "--resume", str(run), "--json", "--quiet"])
+    assert resumed.exit_code == 0 and json.loads(resumed.stdout)["step"] == 14
+
+
 def test_a_run_that_cannot_write_its_first_checkpoint_says_what_to_fix_and_to_run_again(tmp_path, monkeypatch):
     import tformer_cli.runtime as runtime
 

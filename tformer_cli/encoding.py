@@ -229,16 +229,23 @@ def _tensors(split: EncodedSplit) -> dict[str, torch.Tensor]:
 
 
 def write_encoded(split: EncodedSplit, path: Path) -> None:
+    """``split`` at ``path`` as a cache entry, written atomically."""
+    with replacing(path, shared=True) as tmp:
+        save_encoded(split, tmp)
+
+
+def save_encoded(split: EncodedSplit, path: Path) -> None:
+    """``split`` at ``path``, which ``read_encoded`` reads back, written in place: for a file inside a
+    folder that is itself written atomically (a checkpoint's)."""
     tensors = _tensors(split)
     metadata = {"format": str(CACHE_FORMAT), "sha256": _checksum(tensors),
                 **{name: str(getattr(split, name)) for name in _ENCODED_COUNTS}}
-    with replacing(path, shared=True) as tmp:
-        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path), metadata=metadata)
 
 
 def read_encoded(path: Path) -> EncodedSplit:
-    """An encoded split from the cache. Raises ValueError (or OSError) for any entry not written by
-    ``write_encoded`` in this format, intact."""
+    """An encoded split from the cache or a checkpoint. Raises ValueError (or OSError) for any file not
+    written by ``save_encoded`` in this format, intact."""
     from safetensors import safe_open
 
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tformer_cli.config import DataConfig
-from tformer_cli.encoding import EncodedSplit, read_encoded, resegment, write_encoded
+from tformer_cli.encoding import EncodedSplit, read_encoded, resegment, save_encoded
 from tformer_cli.errors import CheckpointError
 from tformer_cli.parallel import Workers
 from tformer_cli.run_folder import SEGMENTATION
@@ -47,7 +47,7 @@ class Segmentation:
                 return
             except OSError:  # deleted since, or a file system without hard links
                 pass
-        write_encoded(self.split, path)
+        save_encoded(self.split, path)
 
     def note_stored(self, checkpoint: Path) -> None:
         self.file = checkpoint / SEGMENTATION
