@@ -364,7 +364,7 @@ def _checkpoint(setup: Setup, notify: Callback) -> None:
 
         def write() -> None:
             folder = save_checkpoint(run_dir, step, weights, trainer_state, setup.config.train.keep_last,
-                                     segmentation and segmentation.store)
+                                     segmentation.store if segmentation is not None else None)
             if segmentation is not None:
                 segmentation.note_stored(folder)
             if config is not None:
