@@ -25,7 +25,8 @@ norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32), a
 that and each ``--compile-attention`` kernel (what the two buy together). On a GPU each compiled
 variant compiles for minutes as one graph: ``--experiments-compile layers`` compiles the experiments
 layer by layer instead (to compare with the ``layers`` baseline), and ``--baselines`` picks which of
-the four standard variants run (eager, unfused, compiled, layers), e.g. ``--baselines eager,layers``. For decoding,
+the standard variants run (eager, unfused, compiled, layers by default; packed and compiled-packed
+train with ``train.pack_length`` 128), e.g. ``--baselines eager,layers``. For decoding,
 ``--direct-capture`` records the CUDA graphs without ``torch.cuda.graph``'s device synchronisation and
 emptying of the allocator's device and pinned-host caches before each recording (one per batch).
 """
@@ -130,7 +131,11 @@ BASELINES = {  # the standard training variants (--baselines)
     "unfused": Variant("train, eager, the loss unfused", systems.Tformer, skip=("loss",)),
     "compiled": Variant("train, compiled (train.compile)", systems.TformerCompiled),
     "layers": Variant("train, compiled layer by layer", systems.TformerLayersCompiled),
+    "packed": Variant(f"train, eager, packed in rows of {systems.PACK_LENGTH}", systems.TformerPacked),
+    "compiled-packed": Variant(f"train, compiled, packed in rows of {systems.PACK_LENGTH}",
+                               systems.TformerCompiledPacked),
 }
+DEFAULT_BASELINES = ["eager", "unfused", "compiled", "layers"]
 
 
 def baseline_names(text: str) -> list[str]:
@@ -325,8 +330,9 @@ def main() -> None:
                         help="decoding also with its CUDA graphs recorded without emptying the allocator's caches")
     parser.add_argument("--bf16-stream", action="store_true",
                         help="eager and compiled variants with the residual stream in bf16")
-    parser.add_argument("--baselines", type=baseline_names, default=list(BASELINES),
-                        help=f"which of the standard training variants run (default all: {','.join(BASELINES)})")
+    parser.add_argument("--baselines", type=baseline_names, default=DEFAULT_BASELINES,
+                        help=f"which of the standard training variants run (of {','.join(BASELINES)}; "
+                             f"default {','.join(DEFAULT_BASELINES)})")
     parser.add_argument("--experiments-compile", choices=["graph", "layers"], default="graph",
                         help="how the compiled experiments compile: one graph, as train.compile, or layer by layer "
                              "(minutes less on a GPU; compare them with the 'layers' baseline)")
@@ -354,7 +360,7 @@ def main() -> None:
 
     variants = [BASELINES[name] for name in args.baselines]
     if args.no_compile:  # the eager baselines only
-        variants = [variant for variant in variants if variant.system is systems.Tformer]
+        variants = [variant for variant in variants if variant.system in (systems.Tformer, systems.TformerPacked)]
     variants += [Variant(f"train, eager, {attention_label(b)}", systems.Tformer, attention=b) for b in args.attention]
     variants += [Variant(f"train, eager, the loss {n:,} tokens a chunk", systems.Tformer, loss_chunk=n)
                  for n in args.loss_chunks]

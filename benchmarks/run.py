@@ -336,8 +336,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="sentences to translate, greedy and beam (--scale paper)")
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                         help="peers to compare with; also tformer's variants tformer-int8 (--precision int8 "
-                             "decoding, CPU only), tformer-compile (train.compile: true) and "
-                             "tformer-compile-layers (each layer compiled on its own)")
+                             "decoding, CPU only), tformer-compile (train.compile: true), "
+                             "tformer-compile-layers (each layer compiled on its own), tformer-pack and "
+                             "tformer-compile-pack (train.pack_length: 128, eager and compiled)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=at_least(1), help="timed repetitions (default: 5 on CPU, 11 on CUDA)")
     parser.add_argument("--warmup", type=at_least(0), default=2)

@@ -22,6 +22,7 @@ from torch import nn
 PAD, BOS, EOS = 0, 1, 2
 SMOOTHING = 0.1
 ACCEL = "auto"  # tformer's speed layer: auto or off (benchmarks/run.py --accel)
+PACK_LENGTH = 128  # the packed tformer systems' train.pack_length: one attention tile of 128 positions
 ACCEL_SKIP: tuple[str, ...] = ()  # pieces of it left out (benchmarks/run.py --accel-skip)
 
 # nn.Transformer's inference fast path makes nested tensors of masked sources and warns at every call
@@ -215,10 +216,12 @@ class Tformer(System):
     def train_step(self, batch: TrainBatch) -> None:
         from tformer_cli.batching import Batch
 
+        self._step(Batch(batch.src, batch.tgt_in, batch.tgt_out, [], batch.real), batch.target_tokens)
+
+    def _step(self, ours, target_tokens: int) -> None:
         self.model.train()
-        ours = Batch(batch.src, batch.tgt_in, batch.tgt_out, [], batch.real)
         loss, _ = self.loss(self.model, ours, SMOOTHING)
-        (loss / batch.target_tokens).backward()
+        (loss / target_tokens).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -271,6 +274,40 @@ class TformerLayersCompiled(Tformer):
         for layer in (*self.model.encoder.layers, *self.model.decoder.layers):
             layer.compile(dynamic=True)
         self.loss = ops.dynamic_sizes_only(self.loss)  # as compiled_loss: each size a symbol of its own
+
+
+class Packed:
+    """A tformer system that trains with ``train.pack_length`` (``PACK_LENGTH``): each batch's pairs
+    end to end in rows (``packing.pack``). Each batch is packed once, on the host, the first time it
+    comes (a warm-up step), as `tformer train` packs its batches on the host while the GPU works."""
+
+    def train_step(self, batch: TrainBatch) -> None:
+        from tformer_cli.batching import Batch
+        from tformer_cli.packing import pack
+
+        packed = self.packed.get(id(batch))
+        if packed is None:
+            host = Batch(batch.src.cpu(), batch.tgt_in.cpu(), batch.tgt_out.cpu(), [])
+            packed = self.packed[id(batch)] = pack(host, PACK_LENGTH).to(batch.src.device)
+        self._step(packed, batch.target_tokens)
+
+
+class TformerPacked(Packed, Tformer):
+    """tformer, eager, with its batches packed into rows."""
+
+    decodes = False
+
+    def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
+        super().__init__(size, device, fused)
+        self.name, self.packed = f"tformer +pack {PACK_LENGTH}", {}
+
+
+class TformerCompiledPacked(Packed, TformerCompiled):
+    """``train.compile`` with the batches packed into rows."""
+
+    def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
+        super().__init__(size, device, fused)
+        self.name, self.packed = f"tformer +compile +pack {PACK_LENGTH}", {}
 
 
 class TformerInt8(Tformer):
@@ -491,7 +528,8 @@ class CTranslate2Int8(CTranslate2):
 PEERS = {"torch": TorchBuiltin, "marian": Marian, "xtransformers": XTransformers,
          "xtransformers-flash": XTransformersFlash, "ct2": CTranslate2, "ct2-int8": CTranslate2Int8,
          "tformer-int8": TformerInt8, "tformer-compile": TformerCompiled,
-         "tformer-compile-layers": TformerLayersCompiled}
+         "tformer-compile-layers": TformerLayersCompiled, "tformer-pack": TformerPacked,
+         "tformer-compile-pack": TformerCompiledPacked}
 DEFAULT_PEERS = [key for key, peer in PEERS.items() if not key.startswith("tformer") and peer.in_cpu_suite]
 
 

@@ -130,6 +130,11 @@ def _config_cases() -> list[Case]:
                                  f"{section}.{key}: {expect}"))
     cases.append(_train_with(_config(train={"max_steps": None}), "config/never-stops",
                              "train.max_steps: set at least one of"))
+    cases.append(_train_with(_config(train={"pack_length": 0}), "config/range/train.pack_length=0",
+                             "train.pack_length: must be > 0 or null, got 0"))
+    cases.append(_train_with(_config(model={"positional": "rope"}, train={"pack_length": 128}),
+                             "config/pack-length-with-rope", "train.pack_length: needs model.positional sinusoidal or "
+                             "learned (got rope"))
     return cases
 
 

@@ -214,6 +214,36 @@ def test_on_cuda_bpe_dropout_draws_the_next_epoch_beside_training_and_checkpoint
         assert read_encoded(checkpoint / "segmentation.safetensors").tgt == draws[epoch_of[int(checkpoint.name[5:])]].tgt
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_on_cuda_packed_rows_train_as_padded_batches_under_bf16(compiled):
+    """train.pack_length on a GPU: the packed batch's loss and gradients near the padded batch's, under
+    bf16 autocast (where attention with a segment mask runs another kernel than flash), eager and compiled."""
+    from tformer_cli.accel import accelerate
+    from tformer_cli.batching import collate
+    from tformer_cli.encoding import EncodedSplit
+    from tformer_cli.evaluation import compiled_loss, label_smoothed_loss
+    from tformer_cli.packing import pack
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 40, (2, 96), generator=g).tolist()
+    src = [torch.randint(4, 500, (n,), generator=g).tolist() + [2] for n in lengths[0]]
+    tgt = [[1] + torch.randint(4, 500, (n,), generator=g).tolist() + [2] for n in lengths[1]]
+    batch = collate(EncodedSplit(src, tgt, [("s", "t")] * 96), list(range(96)))
+    model = accelerate(build_model(tiny_model_config(d_model=128, num_heads=4, d_ff=256, max_len=64), 500).cuda(),
+                       torch.device("cuda"), "auto")
+    loss_fn = compiled_loss() if compiled else label_smoothed_loss
+    results = []
+    for layout in (batch, pack(batch, 128)):
+        model.zero_grad()
+        with torch.autocast("cuda", torch.bfloat16):
+            loss, _ = loss_fn(model, layout.to("cuda"), 0.1)
+        loss.backward()
+        results.append((loss.detach().float(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (padded_loss, padded_grads), (packed_loss, packed_grads) = results
+    torch.testing.assert_close(packed_loss, padded_loss, rtol=2e-2, atol=0)
+    assert torch.nn.functional.cosine_similarity(packed_grads, padded_grads, dim=0) > 0.99
+
+
 def test_eval_in_bf16_on_cuda_holds_the_model_in_bf16_and_keeps_its_loss(trained_run, monkeypatch):
     """``eval --precision bf16`` on a GPU decodes with the model held in bf16 (cli_options.load_for_decoding),
     its teacher-forced loss within 2 % of fp32's."""

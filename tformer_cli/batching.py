@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from tformer_cli.config import TrainConfig
 from tformer_cli.encoding import EncodedSplit
 from tformer_cli.tokenizer import PAD_ID
+
+if TYPE_CHECKING:
+    from tformer_cli.model.transformer import Rows
 
 
 def real_positions(tgt_out: torch.Tensor) -> torch.Tensor:
@@ -28,6 +32,7 @@ class Batch:
     # ``real_positions(tgt_out)``, found where the batch is made (on the host), so that the loss selects
     # the real tokens without waiting for the GPU to count them
     real: torch.Tensor | None = None
+    rows: "Rows | None" = None  # sentences packed into rows (``packing.pack``); None: one sentence a row, padded
 
     def __post_init__(self) -> None:
         if self.real is None:
@@ -46,9 +51,13 @@ class Batch:
         # CUDA copies from pageable memory wait until the GPU has finished its queue; from pinned memory
         # they queue behind it, and the host goes on to queue the step's kernels
         pin = torch.device(device).type == "cuda"
-        src, tgt_in, tgt_out, real = ((t.pin_memory() if pin else t).to(device, non_blocking=True)
-                                      for t in (self.src, self.tgt_in, self.tgt_out, self.real))
-        return Batch(src, tgt_in, tgt_out, self.indices, real)
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+
+        rows = None if self.rows is None else \
+            type(self.rows)(**{f.name: moved(getattr(self.rows, f.name)) for f in dataclasses.fields(self.rows)})
+        return Batch(moved(self.src), moved(self.tgt_in), moved(self.tgt_out), self.indices, moved(self.real), rows)
 
 
 def token_batches(src_lengths: Sequence[int] | torch.Tensor, tgt_lengths: Sequence[int] | torch.Tensor,
@@ -123,11 +132,17 @@ def batches_per_step(cfg: TrainConfig, processes: int) -> int:
     return math.ceil(cfg.step_tokens / (processes * cfg.max_tokens))
 
 
-def collate(split: EncodedSplit, indices: list[int]) -> Batch:
-    """Pad one batch: sources to their longest, targets shifted into input and output."""
+def collate(split: EncodedSplit, indices: list[int], pack_length: int | None = None) -> Batch:
+    """Pad one batch: sources to their longest, targets shifted into input and output; with
+    ``pack_length``, then pack its pairs into rows (``packing.pack``)."""
     src = split.src.pad(indices, PAD_ID)
     tgt = split.tgt.pad(indices, PAD_ID)
-    return Batch(src, tgt[:, :-1], tgt[:, 1:], indices)
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], indices)
+    if pack_length is None:
+        return batch
+    from tformer_cli.packing import pack  # packing imports this module
+
+    return pack(batch, pack_length)
 
 
 def pad_sequences(sequences: list[list[int]]) -> torch.Tensor:

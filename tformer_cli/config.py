@@ -109,6 +109,11 @@ class TrainConfig:
     # --required-batch-size-multiple): fewer product shapes, so less memory for CPU kernels
     batch_multiple: int = 8
     grad_accum: int = 1  # batches per optimizer step (each process's)
+    # pack each batch's sentence pairs end to end into rows of about this many tokens, attention kept
+    # within each sentence (as T5 packs its examples): less padding, and on GPUs far fewer attention
+    # tiles of mostly padding; null: each sentence padded to its batch's longest. Sinusoidal or learned
+    # positions only.
+    pack_length: Optional[int] = None
     # padded tokens an optimizer step takes over all processes and accumulated batches (the paper's
     # ~25,000): each step is cut once and shared out, so one GPU or eight take the same steps, in as
     # many batches a process as keep each to about max_tokens (grad_accum follows); null: each process
@@ -328,6 +333,10 @@ def _validate_train(t: TrainConfig, d: DataConfig, m: ModelConfig, need: Need) -
          "follows from train.step_tokens and max_tokens; leave it at 1, or set train.step_tokens=null")
     for key in ("grad_accum", "batch_multiple", "log_every", "eval_every", "keep_last", "eval_max_sentences"):
         need(getattr(t, key) >= 1, f"train.{key}", f"must be >= 1, got {getattr(t, key)}")
+    need(t.pack_length is None or t.pack_length > 0, "train.pack_length", f"must be > 0 or null, got {t.pack_length}")
+    need(t.pack_length is None or m.positional in ("sinusoidal", "learned"), "train.pack_length",
+         f"needs model.positional sinusoidal or learned (got {m.positional}, which places tokens by their place "
+         "in the row); or set it to null")
     for key in ("max_steps", "epochs", "max_time", "patience", "save_every"):
         value = getattr(t, key)
         need(value is None or value > 0, f"train.{key}", f"must be > 0 or null, got {value}")

@@ -96,7 +96,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
             while state.batch_in_epoch < len(batches) and stop_reason is None:
                 # batch: this process's share of one optimizer step, consecutive batches
                 start = state.batch_in_epoch
-                group = [collate(data, ids) for ids in batches[start:start + accumulation]]
+                group = [collate(data, ids, cfg.pack_length) for ids in batches[start:start + accumulation]]
                 group_tokens = sum(b.num_tokens for b in group)
                 stopped_by = signals.received  # a signal stops training between two steps
                 if workers.size > 1:  # the loss is normalised by every process's tokens; rank 0's clock rules
@@ -223,7 +223,7 @@ def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -
     params = [p for p in setup.model.parameters() if p.requires_grad]
 
     def one_pass(ids: list[int]) -> None:
-        loss, _ = objective(collate(data, ids).to(setup.device))
+        loss, _ = objective(collate(data, ids, cfg.pack_length).to(setup.device))
         torch.autograd.grad(loss, params, allow_unused=True)
 
     passes = [functools.partial(one_pass, ids) for ids in shapes.values()]

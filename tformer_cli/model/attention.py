@@ -19,6 +19,14 @@ def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
     return (tokens != pad_id)[:, None, None, :]
 
 
+def segment_mask(q_segments: Tensor, k_segments: Tensor) -> Tensor:
+    """(B, T_q), (B, T_k) sentence numbers of packed rows' tokens (0 on padding) -> (B, 1, T_q, T_k)
+    boolean mask: a sentence's tokens attend within it. Padding queries attend to every key, so that
+    their rows stay finite (their outputs are never used)."""
+    same = q_segments[:, :, None] == k_segments[:, None, :]  # (B, T_q, T_k)
+    return (same | (q_segments == 0)[:, :, None])[:, None]
+
+
 def causal_mask(length: int, device: torch.device | None = None) -> Tensor:
     """(T, T) boolean mask, True on and below the diagonal: position i sees positions <= i."""
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()

@@ -63,20 +63,22 @@ class TokenEmbedding(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.word_dropout = word_dropout
 
-    def forward(self, tokens: Tensor, position: int = 0) -> Tensor:
-        """(B, T) token ids starting at ``position`` -> (B, T, d_model)."""
+    def forward(self, tokens: Tensor, position: int = 0, positions: Tensor | None = None) -> Tensor:
+        """(B, T) token ids starting at ``position`` -> (B, T, d_model); or each at its own place in
+        its sentence, ``positions`` (B, T), for sentences packed into rows."""
         T = tokens.shape[1]
-        if position + T > self.max_len:
+        if positions is None and position + T > self.max_len:
             raise ValueError(f"sequence of {position + T} tokens exceeds model.max_len {self.max_len}")
         scale = self.scale
         if self.training and self.word_dropout > 0:
             keep = torch.rand(tokens.shape, device=tokens.device) >= self.word_dropout  # (B, T)
             scale = keep.unsqueeze(-1) * (self.scale / (1.0 - self.word_dropout))  # (B, T, 1)
         x = self.embedding(tokens) * scale  # (B, T, d_model)
+        places = slice(position, position + T) if positions is None else positions  # (T,) or (B, T)
         if self.table is not None:
-            x = x + self.table[position:position + T]
+            x = x + self.table[places]
         elif self.learned is not None:
-            x = x + self.learned.weight[position:position + T]
+            x = x + self.learned.weight[places]
         return self.dropout(x)
 
 

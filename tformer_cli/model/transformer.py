@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from tformer_cli.config import ModelConfig
-from tformer_cli.model.attention import RotaryEmbedding, alibi_bias, alibi_slopes, causal_mask, padding_mask
+from tformer_cli.model.attention import (
+    RotaryEmbedding, alibi_bias, alibi_slopes, causal_mask, padding_mask, segment_mask)
 from tformer_cli.model.layers import DecoderLayer, DecoderLayerCache, EncoderLayer, TokenEmbedding
 
 
@@ -27,6 +28,19 @@ class Encoded:
     memory: Tensor  # (B, S, d_model)
     mask: Tensor  # (B, 1, 1, S), True at real source tokens
     attention: list[Tensor] | None = None  # per layer (B, H, S, S), when asked for
+
+
+@dataclass
+class Rows:
+    """Sentence pairs packed end to end into rows, as T5 packs its examples: for each token, the
+    number of its sentence in its row (0 on padding) and its position in that sentence, on both sides.
+    Attention stays within a sentence and positions restart at each, so a packed sentence is computed
+    as it would be alone; rows carry far less padding than sentences padded to their batch's longest."""
+
+    src_segments: Tensor  # (B, S)
+    src_positions: Tensor  # (B, S)
+    tgt_segments: Tensor  # (B, T)
+    tgt_positions: Tensor  # (B, T)
 
 
 @dataclass
@@ -75,8 +89,8 @@ class Encoder(nn.Module):
         self.final_norm = final_norm  # LayerNorm for pre-LN, Identity for post-LN
 
     def forward(self, src: Tensor, mask: Tensor, rotary: RotaryEmbedding | None, slopes: Tensor | None,
-                need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
-        x = self.embed(src)  # (B, S, d_model)
+                need_weights: bool = False, positions: Tensor | None = None) -> tuple[Tensor, list[Tensor]]:
+        x = self.embed(src, positions=positions)  # (B, S, d_model)
         if slopes is not None:  # ALiBi: distance bias, with padding keys removed
             S = src.shape[1]
             mask = alibi_bias(slopes, S, S)[None].masked_fill(~mask, float("-inf"))  # (B, H, S, S)
@@ -95,12 +109,13 @@ class Decoder(nn.Module):
         self.final_norm = final_norm
 
     def forward(self, tgt: Tensor, memory: Tensor | None, memory_mask: Tensor | None, rotary: RotaryEmbedding | None,
-                slopes: Tensor | None, cache: DecoderCache | None = None, need_weights: bool = False
+                slopes: Tensor | None, cache: DecoderCache | None = None, need_weights: bool = False,
+                positions: Tensor | None = None, self_mask: Tensor | None = None
                 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         position = cache.position if cache is not None else 0
         T = tgt.shape[1]
-        x = self.embed(tgt, position)  # (B, T, d_model)
-        self_mask, is_causal = None, cache is None or T > 1  # one new token needs no mask
+        x = self.embed(tgt, position, positions)  # (B, T, d_model)
+        is_causal = cache is None or T > 1  # one new token needs no mask; ``self_mask``: packed rows' sentences
         if slopes is not None:  # ALiBi: causal distance bias over all positions so far
             bias = alibi_bias(slopes, T, position + T, offset=position)  # (H, T, position + T)
             allowed = causal_mask(position + T, tgt.device)[position:]  # (T, position + T)
@@ -133,19 +148,36 @@ class Transformer(nn.Module):
         else:
             self.slopes = None
 
-    def encode(self, src: Tensor, need_weights: bool = False) -> Encoded:
-        """(B, S) source ids -> Encoded(memory (B, S, d_model), mask, attention)."""
-        mask = padding_mask(src, self.pad_id)  # (B, 1, 1, S)
-        memory, weights = self.encoder(src, mask, self.rotary, self.slopes, need_weights)
+    def encode(self, src: Tensor, need_weights: bool = False, rows: Rows | None = None) -> Encoded:
+        """(B, S) source ids -> Encoded(memory (B, S, d_model), mask, attention); ``rows``: the sources
+        are sentences packed into rows (training only)."""
+        if rows is None:
+            mask, positions = padding_mask(src, self.pad_id), None  # (B, 1, 1, S)
+        else:
+            self._check_packable()
+            mask, positions = segment_mask(rows.src_segments, rows.src_segments), rows.src_positions  # (B, 1, S, S)
+        memory, weights = self.encoder(src, mask, self.rotary, self.slopes, need_weights, positions)
         return Encoded(memory, mask, weights if need_weights else None)
 
     def decode(self, tgt: Tensor, encoded: Encoded, cache: DecoderCache | None = None,
-               need_weights: bool = False) -> Decoded:
-        """(B, T) target ids (only the new ones when ``cache`` is given) -> hidden states (B, T, d_model)."""
+               need_weights: bool = False, rows: Rows | None = None) -> Decoded:
+        """(B, T) target ids (only the new ones when ``cache`` is given) -> hidden states (B, T, d_model);
+        ``rows``: the targets and ``encoded``'s sources are sentences packed into the same rows."""
         memory = None if cache is not None else encoded.memory
         memory_mask = cache.memory_mask if cache is not None else encoded.mask
-        hidden, sw, cw = self.decoder(tgt, memory, memory_mask, self.rotary, self.slopes, cache, need_weights)
+        positions = self_mask = None
+        if rows is not None:
+            self._check_packable()
+            memory_mask = segment_mask(rows.tgt_segments, rows.src_segments)  # (B, 1, T, S)
+            self_mask, positions = segment_mask(rows.tgt_segments, rows.tgt_segments), rows.tgt_positions
+        hidden, sw, cw = self.decoder(tgt, memory, memory_mask, self.rotary, self.slopes, cache, need_weights,
+                                      positions, self_mask)
         return Decoded(hidden, sw if need_weights else None, cw if need_weights else None)
+
+    def _check_packable(self) -> None:
+        if self.rotary is not None or self.slopes is not None:
+            raise ValueError("packed rows need model.positional sinusoidal or learned (RoPE and ALiBi place "
+                             "tokens by their place in the row)")
 
     def logits(self, hidden: Tensor) -> Tensor:
         """(..., d_model) -> (..., V_tgt): the final linear layer of §3.4 (softmax left to the caller)."""
