@@ -24,7 +24,8 @@ fp32; explicit: the model's explicit path, bf16 products and an fp32 softmax tha
 norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32), and compiled with both
 that and each ``--compile-attention`` kernel (what the two buy together). On a GPU each compiled
 variant compiles for minutes as one graph: ``--experiments-compile layers`` compiles the experiments
-layer by layer instead (to compare with the ``layers`` baseline), and ``--baselines`` picks which of
+layer by layer instead (to compare with the ``layers`` baseline; ``packed``: one graph over batches
+packed into rows, to compare with ``compiled-packed``), and ``--baselines`` picks which of
 the standard variants run (eager, unfused, compiled, layers by default; packed and compiled-packed
 train with ``train.pack_length`` 128), e.g. ``--baselines eager,layers``. For decoding,
 ``--direct-capture`` records the CUDA graphs without ``torch.cuda.graph``'s device synchronisation and
@@ -333,9 +334,10 @@ def main() -> None:
     parser.add_argument("--baselines", type=baseline_names, default=DEFAULT_BASELINES,
                         help=f"which of the standard training variants run (of {','.join(BASELINES)}; "
                              f"default {','.join(DEFAULT_BASELINES)})")
-    parser.add_argument("--experiments-compile", choices=["graph", "layers"], default="graph",
+    parser.add_argument("--experiments-compile", choices=["graph", "layers", "packed"], default="graph",
                         help="how the compiled experiments compile: one graph, as train.compile, or layer by layer "
-                             "(minutes less on a GPU; compare them with the 'layers' baseline)")
+                             "(minutes less on a GPU; compare them with the 'layers' baseline), or one graph over "
+                             "batches packed into rows (compare them with 'compiled-packed')")
     args = parser.parse_args()
     if args.bf16_stream and args.device != "cuda":
         parser.error("--bf16-stream: training runs under bf16 autocast on CUDA only")
@@ -366,8 +368,10 @@ def main() -> None:
                  for n in args.loss_chunks]
     if args.bf16_stream:
         variants.append(Variant("train, eager, residual stream in bf16", systems.Tformer, bf16_stream=True))
-    compiled, how = ((systems.TformerCompiled, "compiled") if args.experiments_compile == "graph"
-                     else (systems.TformerLayersCompiled, "compiled layer by layer"))
+    compiled, how = {"graph": (systems.TformerCompiled, "compiled"),
+                     "layers": (systems.TformerLayersCompiled, "compiled layer by layer"),
+                     "packed": (systems.TformerCompiledPacked, f"compiled, packed in rows of {systems.PACK_LENGTH}")
+                     }[args.experiments_compile]
     if not args.no_compile:
         variants += [Variant(f"train, {how}, {attention_label(b)}", compiled, attention=b)
                      for b in args.compile_attention]
