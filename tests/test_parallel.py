@@ -234,6 +234,20 @@ def test_two_processes_with_dropout_resume_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_two_processes_train_packed_rows_as_one_process_accumulating_two_batches(tmp_path, config, engine):
+    """train.pack_length under DDP and FSDP: the packed batches (their rows, segments and positions)
+    reach every process's model as one process's do."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    packed = ["--set", "train.pack_length=64", "--set", f"train.parallel={engine}"]
+    _one_process("train", str(config), "--output-dir", str(one), "--set", "train.grad_accum=2", *packed)
+    _torchrun_ok(2, "train", str(config), "--output-dir", str(two), "--quiet", *packed)
+    for checkpoint in step_checkpoints(one):
+        _assert_same_weights(one, two, f"checkpoints/{checkpoint.name}")
+    _assert_same_losses(one, two)
+
+
+@pytest.mark.slow
 def test_two_processes_train_with_bpe_dropout_and_resume_on_one(tmp_path):
     """Over gloo, rank 0 hands each epoch's segmentation to the other process (which takes it instead of
     drawing: test_train's test of the hand-over), their checkpoints keep it, and one process resumes."""
