@@ -281,6 +281,11 @@ class Packed:
     end to end in rows (``packing.pack``). Each batch is packed once, on the host, the first time it
     comes (a warm-up step), as `tformer train` packs its batches on the host while the GPU works."""
 
+    def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
+        super().__init__(size, device, fused)
+        self.name += f" +pack {PACK_LENGTH}"
+        self.packed = {}  # id of a suite batch -> its packed copy on the device
+
     def train_step(self, batch: TrainBatch) -> None:
         from tformer_cli.batching import Batch
         from tformer_cli.packing import pack
@@ -297,17 +302,9 @@ class TformerPacked(Packed, Tformer):
 
     decodes = False
 
-    def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
-        super().__init__(size, device, fused)
-        self.name, self.packed = f"tformer +pack {PACK_LENGTH}", {}
-
 
 class TformerCompiledPacked(Packed, TformerCompiled):
     """``train.compile`` with the batches packed into rows."""
-
-    def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
-        super().__init__(size, device, fused)
-        self.name, self.packed = f"tformer +compile +pack {PACK_LENGTH}", {}
 
 
 class TformerInt8(Tformer):

@@ -434,14 +434,8 @@ def test_precision_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores_and_fp32_elsewhe
 def test_bpe_dropout_resegments_the_training_split_every_epoch(tmp_path, monkeypatch):
     import tformer_cli.segmentation as segmentation
 
-    drawn = []
-
-    def recording(*args):
-        drawn.append(segmentation.resegment.__wrapped__(*args))
-        return drawn[-1]
-
-    recording.__wrapped__ = segmentation.resegment
-    monkeypatch.setattr(segmentation, "resegment", recording)
+    draw, drawn = segmentation.resegment, []
+    monkeypatch.setattr(segmentation, "resegment", lambda *args: drawn.append(draw(*args)) or drawn[-1])
     path = write_config(tmp_path / "b.yaml", train={"max_steps": None, "epochs": 2},
                         data={"bpe_dropout": 0.3, "max_samples": 60})
     events = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
@@ -55,9 +54,8 @@ class Batch:
         def moved(t: torch.Tensor) -> torch.Tensor:
             return (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
-        rows = None if self.rows is None else \
-            type(self.rows)(**{f.name: moved(getattr(self.rows, f.name)) for f in dataclasses.fields(self.rows)})
-        return Batch(moved(self.src), moved(self.tgt_in), moved(self.tgt_out), self.indices, moved(self.real), rows)
+        return Batch(moved(self.src), moved(self.tgt_in), moved(self.tgt_out), self.indices, moved(self.real),
+                     None if self.rows is None else self.rows.map(moved))
 
 
 def token_batches(src_lengths: Sequence[int] | torch.Tensor, tgt_lengths: Sequence[int] | torch.Tensor,
@@ -132,17 +130,11 @@ def batches_per_step(cfg: TrainConfig, processes: int) -> int:
     return math.ceil(cfg.step_tokens / (processes * cfg.max_tokens))
 
 
-def collate(split: EncodedSplit, indices: list[int], pack_length: int | None = None) -> Batch:
-    """Pad one batch: sources to their longest, targets shifted into input and output; with
-    ``pack_length``, then pack its pairs into rows (``packing.pack``)."""
+def collate(split: EncodedSplit, indices: list[int]) -> Batch:
+    """Pad one batch: sources to their longest, targets shifted into input and output."""
     src = split.src.pad(indices, PAD_ID)
     tgt = split.tgt.pad(indices, PAD_ID)
-    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], indices)
-    if pack_length is None:
-        return batch
-    from tformer_cli.packing import pack  # packing imports this module
-
-    return pack(batch, pack_length)
+    return Batch(src, tgt[:, :-1], tgt[:, 1:], indices)
 
 
 def pad_sequences(sequences: list[list[int]]) -> torch.Tensor:

@@ -10,7 +10,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +22,6 @@ from tformer_cli.encoding import EncodedSplit
 from tformer_cli.ensemble import Ensemble, as_ensemble
 from tformer_cli.errors import DataError
 from tformer_cli.loss import linear_smoothed_cross_entropy
-from tformer_cli.model.transformer import Rows
 
 if TYPE_CHECKING:
     from tformer_cli.config import DataConfig
@@ -51,7 +50,7 @@ def real_hidden(model: torch.nn.Module, batch: Batch, rdrop: float = 0.0) -> Ten
     src, tgt_in, real, rows = batch.src, batch.tgt_in, batch.real, batch.rows  # real: non-pad tokens in tgt_out
     if rdrop:
         src, tgt_in = torch.cat([src, src]), torch.cat([tgt_in, tgt_in])
-        rows = None if rows is None else Rows(*(torch.cat([getattr(rows, f.name)] * 2) for f in fields(rows)))
+        rows = None if rows is None else rows.map(lambda t: torch.cat([t, t]))
     hidden = model.decode(tgt_in, model.encode(src, rows=rows), rows=rows).hidden  # (B, T, d_model), or (2B, ...)
     # selected by position, not by a mask, whose row count the host would wait for the GPU to find
     return hidden.flatten(0, 1).index_select(0, torch.cat([real, real + batch.tgt_out.numel()])) if rdrop \

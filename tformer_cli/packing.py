@@ -37,33 +37,29 @@ def pack(batch: Batch, length: int) -> Batch:
         tgt_starts.append(used_tgt)
         segments.append(segment)
         used_src, used_tgt = used_src + s, used_tgt + t
-    place = _Placing(torch.tensor(rows), torch.tensor(segments), row + 1)
-    src, src_segments, src_positions = place(batch.src, src_lengths, torch.tensor(src_starts), width_src)
-    tgt_in, tgt_segments, tgt_positions = place(batch.tgt_in, tgt_lengths, torch.tensor(tgt_starts), width_tgt)
-    tgt_out, _, _ = place(batch.tgt_out, tgt_lengths, torch.tensor(tgt_starts), width_tgt)
+    rows, segments = torch.tensor(rows), torch.tensor(segments)
+    (src,), src_segments, src_positions = _placed(
+        [batch.src], src_lengths, torch.tensor(src_starts), rows, segments, width_src)
+    (tgt_in, tgt_out), tgt_segments, tgt_positions = _placed(
+        [batch.tgt_in, batch.tgt_out], tgt_lengths, torch.tensor(tgt_starts), rows, segments, width_tgt)
     return Batch(src, tgt_in, tgt_out, batch.indices, rows=Rows(src_segments, src_positions, tgt_segments,
                                                                  tgt_positions))
 
 
-class _Placing:
-    """Puts one side's sentences (rows of a padded batch) into the packed rows, vectorised."""
+def _placed(padded: list[torch.Tensor], lengths: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor,
+            segments: torch.Tensor, width: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One side's (B, T) padded tensors (the target's input and output share a layout) put into
+    (R, width) rows: each sentence's first ``lengths`` tokens at row ``rows``, from column ``starts``.
+    Also that side's sentence numbers in their rows (0 on padding, from ``segments``) and positions."""
+    B, T = padded[0].shape
+    positions = torch.arange(T).expand(B, T)  # (B, T)
+    real = positions < lengths[:, None]  # (B, T): a sentence's first ``length`` tokens
+    where = (rows[:, None].expand(B, T)[real], (starts[:, None] + positions)[real])  # (N,) rows, (N,) columns
 
-    def __init__(self, rows: torch.Tensor, segments: torch.Tensor, count: int) -> None:
-        self.rows, self.segments, self.count = rows, segments, count  # (B,), (B,), R
+    def filled(values: torch.Tensor, empty: int) -> torch.Tensor:  # (B, T) -> (R, width)
+        out = torch.full((int(rows[-1]) + 1, width), empty, dtype=values.dtype)
+        out[where] = values[real]
+        return out
 
-    def __call__(self, padded: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, width: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, T) padded sentences, their (B,) lengths and first columns -> the (R, width) packed ids,
-        and each token's sentence number (0 on padding) and position in its sentence."""
-        B, T = padded.shape
-        positions = torch.arange(T).expand(B, T)  # (B, T)
-        real = positions < lengths[:, None]  # (B, T): a sentence's first ``length`` tokens
-        row = self.rows[:, None].expand(B, T)[real]  # (N,) each real token's row and column
-        column = (starts[:, None] + positions)[real]
-        ids = torch.full((self.count, width), PAD_ID, dtype=padded.dtype)
-        segments = torch.zeros((self.count, width), dtype=torch.int64)
-        places = torch.zeros((self.count, width), dtype=torch.int64)
-        ids[row, column] = padded[real]
-        segments[row, column] = self.segments[:, None].expand(B, T)[real]
-        places[row, column] = positions[real]
-        return ids, segments, places
+    return ([filled(t, PAD_ID) for t in padded], filled(segments[:, None].expand(B, T), 0),
+            filled(positions, 0))

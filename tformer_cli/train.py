@@ -27,6 +27,7 @@ from tformer_cli.errors import DivergedError, UsageError
 from tformer_cli.evaluation import (Seq2SeqLoss, label_smoothed_loss, validates_bleu, validation_record,
                                     validation_rows)
 from tformer_cli.optim import cosine_horizon, learning_rate
+from tformer_cli.packing import pack
 from tformer_cli.parallel import Workers, gathered, gradient_sync, local, optimizer_state
 from tformer_cli.params import train_flops_per_token
 from tformer_cli.run_folder import CHECKPOINTS, WEIGHTS, holding
@@ -96,7 +97,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
             while state.batch_in_epoch < len(batches) and stop_reason is None:
                 # batch: this process's share of one optimizer step, consecutive batches
                 start = state.batch_in_epoch
-                group = [collate(data, ids, cfg.pack_length) for ids in batches[start:start + accumulation]]
+                group = [_collate(data, ids, cfg) for ids in batches[start:start + accumulation]]
                 group_tokens = sum(b.num_tokens for b in group)
                 stopped_by = signals.received  # a signal stops training between two steps
                 if workers.size > 1:  # the loss is normalised by every process's tokens; rank 0's clock rules
@@ -176,6 +177,12 @@ def _step(setup: Setup, group: list[Batch], group_tokens: int, total_steps: int 
     return nll_sum, lr
 
 
+def _collate(data: EncodedSplit, ids: list[int], cfg: TrainConfig) -> Batch:
+    """A training batch: padded, or with ``train.pack_length`` its pairs packed into rows."""
+    batch = collate(data, ids)
+    return batch if cfg.pack_length is None else pack(batch, cfg.pack_length)
+
+
 def _resume_in_batches_of_now(state: TrainState, cfg: TrainConfig, processes: int, accumulation: int) -> None:
     """A resumed run's place in its epoch (``state.batch_in_epoch``) counted in this session's batches,
     where the number of processes or of batches a step has changed."""
@@ -223,7 +230,7 @@ def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -
     params = [p for p in setup.model.parameters() if p.requires_grad]
 
     def one_pass(ids: list[int]) -> None:
-        loss, _ = objective(collate(data, ids, cfg.pack_length).to(setup.device))
+        loss, _ = objective(_collate(data, ids, cfg).to(setup.device))
         torch.autograd.grad(loss, params, allow_unused=True)
 
     passes = [functools.partial(one_pass, ids) for ids in shapes.values()]

@@ -10,7 +10,8 @@ encoder once and the decoder one token at a time with a key/value cache.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +42,10 @@ class Rows:
     src_positions: Tensor  # (B, S)
     tgt_segments: Tensor  # (B, T)
     tgt_positions: Tensor  # (B, T)
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> Rows:
+        """The same rows with ``fn`` applied to each tensor (moved to a device, repeated for R-Drop)."""
+        return Rows(*(fn(getattr(self, f.name)) for f in fields(self)))
 
 
 @dataclass
