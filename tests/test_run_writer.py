@@ -66,10 +66,22 @@ def test_checkpoints_written_beside_training_hold_their_step_as_those_written_at
         elif event == "checkpoint":  # sent once the checkpoint is on disk
             announced.append((data["step"], (Path(data["path"]) / "model.safetensors").exists()))
 
+    from tformer_cli.run_writer import RunWriter
+
+    weights, copies = RunWriter.weights, []
+
+    def counted(writer, model):
+        copies.append(model)
+        return weights(writer, model)
+
+    monkeypatch.setattr(RunWriter, "weights", counted)
     monkeypatch.setattr(run_setup, "writes_in_background", lambda device: True)
     monkeypatch.setattr(training, "save_checkpoint", slow)
     train(config, tmp_path / "beside", callback=callback)
     assert announced == [(2, True), (4, True), (6, True), (8, True)]
+    # a copy of the weights a checkpoint and one of the average's: the best weights (validation at steps
+    # 4 and 8) share their step's checkpoint's copy
+    assert len(copies) == 4 + 4
 
     ours, theirs = _files(tmp_path / "beside"), _files(tmp_path / "at-once")
     assert sorted(map(str, ours[0])) == ["checkpoints/ema/model.safetensors", "checkpoints/step-00000006/model.safetensors",

@@ -332,6 +332,7 @@ def _evaluate(setup: Setup, state: TrainState, notify: Callback) -> dict[str, An
         if main:
             weights, best = setup.writer.weights(model), {"step": str(state.step)}
             setup.writer.submit(lambda: save_weights(weights, setup.run_dir / WEIGHTS, best))
+            setup.best_copy = (state.step, weights)
     else:
         state.evals_without_improvement += 1
     record["best"] = improved
@@ -364,7 +365,9 @@ def _checkpoint(setup: Setup, notify: Callback) -> None:
         trainer_state["scaler"] = setup.scaler.state_dict()
     model, writer, run_dir, step = setup.whole_model(), setup.writer, setup.run_dir, state.step
     if setup.workers.main:  # the weights and state of this step, written now or beside the next steps
-        weights, trainer_state = writer.weights(model), writer.frozen(trainer_state)
+        shared, setup.best_copy = setup.best_copy, None  # a copy validation took at this step: not taken again
+        weights = shared[1] if shared is not None and shared[0] == step else writer.weights(model)
+        trainer_state = writer.frozen(trainer_state)
         config = setup.config if setup.config_unsaved else None  # the config the checkpoint continues under
         latest = not setup.validates  # no validation: the latest weights are the run's weights
         segmentation = setup.segmentation  # under BPE-dropout, the epoch's, for a resume to continue over
