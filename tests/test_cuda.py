@@ -152,6 +152,42 @@ def test_training_on_cuda_with_autocast(tmp_path, precision, compile):
     assert all(weights_mib < d["gpu_peak_mib"] < total_mib for e, d in events if e == "step")  # the window's peak
 
 
+def test_a_run_on_cuda_resumes_with_its_gpus_dropout_masks_also_from_a_machine_with_more_gpus(tmp_path, monkeypatch):
+    """A checkpoint keeps the state of the GPU's generator, which draws the dropout masks, and a resume
+    goes on from it: the losses of a run never stopped (to the GPU's rounding, whose kernels need not
+    add in one order). A checkpoint of an older tformer kept every GPU it saw; one from a machine with
+    more GPUs than this one resumes too (its first GPU's state). Without the GPU's state the masks
+    differ, and so do the losses, by far more than the tolerance."""
+    import shutil
+
+    from tformer_cli.runs import prepare_run
+    from tformer_cli.runtime import step_checkpoints
+
+    def losses(config, run_dir, resume=False):
+        events = []
+        train(config, run_dir, resume, callback=lambda event, data: events.append((event, data)))
+        return {d["step"]: d["loss"] for e, d in events if e == "step"}
+
+    path = write_config(tmp_path / "c.yaml", train={"device": "cuda", "precision": "fp32", "compile": False,
+                                                    "max_steps": 8})
+    straight = losses(load_config(path), tmp_path / "straight")
+    losses(load_config(path, ["train.max_steps=3"]), tmp_path / "resumed")
+    trainer_pt = step_checkpoints(tmp_path / "resumed")[-1] / "trainer.pt"
+    saved = torch.load(trainer_pt, weights_only=True)
+    assert isinstance(saved["rng"]["cuda"], torch.Tensor)  # this GPU's state alone
+    saved["rng"]["cuda"] = [saved["rng"]["cuda"]] + [torch.zeros_like(saved["rng"]["cuda"])] * torch.cuda.device_count()
+    torch.save(saved, trainer_pt)  # as an older tformer wrote it, on a machine with one GPU more than this
+    shutil.copytree(tmp_path / "resumed", tmp_path / "masks-lost")
+    resumed = losses(*prepare_run(None, tmp_path / "resumed", ["train.max_steps=8"], None), resume=True)
+    assert sorted(resumed) == [4, 5, 6, 7, 8]
+    torch.testing.assert_close(torch.tensor([resumed[s] for s in resumed], dtype=torch.float64),
+                               torch.tensor([straight[s] for s in resumed], dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *args, **kwargs: None)
+    lost = losses(*prepare_run(None, tmp_path / "masks-lost", ["train.max_steps=8"], None), resume=True)
+    assert max(abs(lost[s] / straight[s] - 1) for s in lost) > 1e-3  # other masks: ~1e-2 on a CPU
+
+
 def test_checkpoints_on_cuda_are_written_beside_training_and_hold_their_steps_weights(tmp_path, monkeypatch):
     """On a GPU each checkpoint is copied to the host and written by the writer's thread while training
     goes on (slowed here, so that steps run during the write): its weights are those of its step."""

@@ -215,7 +215,7 @@ class Setup:
             if self.scaler.is_enabled() and "scaler" in saved:
                 self.scaler.load_state_dict(saved["scaler"])
             self.state = TrainState(**saved["state"])
-            set_rng_state(saved["rng"])
+            set_rng_state(saved["rng"], self.device)
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # what torch raises for a state that does not fit
             raise CheckpointError(f"{checkpoint}: its trainer state does not fit this run ({first_line(exc)}); "
                                   "resume from an earlier checkpoint by deleting this one") from None

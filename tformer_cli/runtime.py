@@ -46,18 +46,24 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The states of the generators training draws from: Python's, the CPU's and, training on a GPU,
+    that GPU's alone (a resume may see more GPUs or fewer; a run on the CPU leaves CUDA untouched)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """``rng_state``'s generators set again, the GPU's into ``device`` (where training runs on one)."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("cuda")
+    if device.type == "cuda" and saved is not None:
+        if isinstance(saved, (list, tuple)):  # an older tformer's: every GPU it saw, the first the one it used
+            saved = saved[0]
+        torch.cuda.set_rng_state(saved, device)
 
 
 def save_weights(model: torch.nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
