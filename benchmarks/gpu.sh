@@ -30,6 +30,18 @@
 # train-start, train-wait   the train step detached from this call, and a later call's wait for it: a
 #         device call lasts at most 10 minutes, and 10 minutes of training with the start-up does not fit
 #
+# The next lease (15 minutes of device time, each call at most 10; issue 34's open targets first).
+# Carry .whl and .compile-cache; each call begins: python3 -m pip install -q --no-index --no-deps
+# --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && export RESULTS=$OUT/r
+# COMPILE_CACHE_SAVE=$OUT, and after it the returned inductor.tgz.* replace .compile-cache's.
+#   1. base MFU 0.40: PROFILE_ARGS="--no-decode --baselines compiled,compiled-packed --experiments-compile
+#      packed --bf16-stream --compile-attention explicit --loss-chunks 512,2048" gpu.sh profile attention
+#   2. packed rows against the peers: PAPER_WORKLOADS=train SIZES=base
+#      PAPER_PEERS=torch,tformer-compile,tformer-compile-pack gpu.sh paper-train (if packing pays:
+#      train.pack_length: 128 in base.yaml and big.yaml, and TRAIN_SET=train.pack_length=128 below)
+#   3. SIZES=base gpu.sh paper-decode (beam 4 with CUDA graphs against generate), gpu.sh tests
+#   4. a later lease: MINUTES=10 gpu.sh train-start, then train-wait; SIZES=big paper-train and paper-decode
+#
 # Results go to $RESULTS (default gpu-results/): a log per step, JSON where the step writes some
 # (written after every workload and size, so a step cut off by a time limit keeps what it finished).
 # Multi30k is read from $MULTI30K (default ../shared/data/multi30k); Python is $PYTHON (python3),
