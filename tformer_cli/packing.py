@@ -52,14 +52,14 @@ def _placed(padded: list[torch.Tensor], lengths: torch.Tensor, starts: torch.Ten
     (R, width) rows: each sentence's first ``lengths`` tokens at row ``rows``, from column ``starts``.
     Also that side's sentence numbers in their rows (0 on padding, from ``segments``) and positions."""
     B, T = padded[0].shape
+    R = int(rows[-1]) + 1
     positions = torch.arange(T).expand(B, T)  # (B, T)
-    real = positions < lengths[:, None]  # (B, T): a sentence's first ``length`` tokens
-    where = (rows[:, None].expand(B, T)[real], (starts[:, None] + positions)[real])  # (N,) rows, (N,) columns
+    real = (positions < lengths[:, None]).flatten().nonzero().squeeze(1)  # (N,) a sentence's tokens, in (B * T)
+    to = (rows[:, None] * width + starts[:, None] + positions).flatten()[real]  # (N,) their places in (R * width)
 
     def filled(values: torch.Tensor, empty: int) -> torch.Tensor:  # (B, T) -> (R, width)
-        out = torch.full((int(rows[-1]) + 1, width), empty, dtype=values.dtype)
-        out[where] = values[real]
-        return out
+        out = torch.full((R * width,), empty, dtype=values.dtype)
+        return out.index_copy_(0, to, values.reshape(-1)[real]).view(R, width)
 
     return ([filled(t, PAD_ID) for t in padded], filled(segments[:, None].expand(B, T), 0),
             filled(positions, 0))
