@@ -152,6 +152,12 @@ def main() -> None:
     except ConfigError as error:
         shutil.rmtree(work, ignore_errors=True)
         parser.error(str(error))
+    from tformer_cli.config import load_config
+
+    if load_config(config).data.bpe_dropout:  # no uninterrupted run to compare with
+        shutil.rmtree(work, ignore_errors=True)
+        parser.error("data.bpe_dropout: tokenizers draws its segmentations without a seed, so no two runs "
+                     "match; a resume's exactness under it is tested with recorded draws (tests/test_train.py)")
     start = time.perf_counter()
     subprocess.run(tformer("train", str(config), "--output-dir", str(work / "reference"), "--quiet"),
                    check=True, env=env, cwd=ROOT)
