@@ -32,15 +32,18 @@
 #
 # The next lease (15 minutes of device time, each call at most 10; issue 34's open targets first).
 # Carry .whl and .compile-cache; each call begins: python3 -m pip install -q --no-index --no-deps
-# --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && export RESULTS=$OUT/r
-# COMPILE_CACHE_SAVE=$OUT, and after it the returned inductor.tgz.* replace .compile-cache's.
-#   1. base MFU 0.40: PROFILE_ARGS="--no-decode --baselines compiled,compiled-packed --experiments-compile
-#      packed --bf16-stream --compile-attention explicit --loss-chunks 512,2048" gpu.sh profile attention
-#   2. packed rows against the peers: PAPER_WORKLOADS=train SIZES=base
+# --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site RESULTS=$OUT/r
+# COMPILE_CACHE_SAVE=$OUT, and after it the returned inductor.tgz.* replace .compile-cache's. Each
+# variant compiled cold costs ~100 s on an H200 (the fifth lease's one graph: 97.6 s), so a call holds
+# about four:
+#   1. base MFU 0.40 (~5 min: compiled from the cache, packed and packed with the bf16 stream cold):
+#      PROFILE_ARGS="--no-decode --baselines compiled,compiled-packed --experiments-compile packed
+#      --bf16-stream" gpu.sh profile
+#   2. decoding (~3 min), then what time is left: SIZES=base gpu.sh paper-decode tests
+#   3. a later lease: gpu.sh attention; --compile-attention explicit; PAPER_WORKLOADS=train SIZES=base
 #      PAPER_PEERS=torch,tformer-compile,tformer-compile-pack gpu.sh paper-train (if packing pays:
-#      train.pack_length: 128 in base.yaml and big.yaml, and TRAIN_SET=train.pack_length=128 below)
-#   3. SIZES=base gpu.sh paper-decode (beam 4 with CUDA graphs against generate), gpu.sh tests
-#   4. a later lease: MINUTES=10 gpu.sh train-start, then train-wait; SIZES=big paper-train and paper-decode
+#      train.pack_length: 128 in base.yaml and big.yaml); MINUTES=10 TRAIN_SET=... gpu.sh train-start,
+#      then train-wait; SIZES=big paper-train and paper-decode
 #
 # Results go to $RESULTS (default gpu-results/): a log per step, JSON where the step writes some
 # (written after every workload and size, so a step cut off by a time limit keeps what it finished).
