@@ -11,9 +11,10 @@ from tformer_cli.batching import collate, token_batches
 from tformer_cli.config import DataConfig
 from tformer_cli.data import load_pairs
 from tformer_cli.encoding import (
-    cached_vocabulary, data_fingerprint, encode_split, encodings_cached, load_encoded, prepare_apart, resegment,
+    cached_vocabulary, data_fingerprint, encode_split, encodings_cached, load_encoded, resegment,
     train_or_load_vocabulary)
 from tformer_cli.errors import DataError
+from tformer_cli.preparing import prepare_apart
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 ROWS = [{"de": f"ein Haus {i}", "en": f"a house {i}"} for i in range(12)]
@@ -345,7 +346,7 @@ def test_a_child_process_fills_the_cache_with_what_this_process_would_have_made(
 
 
 def test_the_child_process_errors_arrive_as_one_line_errors(tmp_path):
-    from tformer_cli.encoding import _in_child
+    from tformer_cli.preparing import _in_child
 
     missing = DataConfig(data_files={"train": str(tmp_path / "nowhere.jsonl")}, source="de", target="en")
     with pytest.raises(DataError) as raised:
@@ -363,7 +364,7 @@ def test_a_signal_while_the_child_works_stops_it_at_once():
     import signal
     import time
 
-    from tformer_cli.encoding import _in_child
+    from tformer_cli.preparing import _in_child
     from tformer_cli.errors import Interrupted
 
     def interrupted(signum, frame):  # as training's set-up handles SIGINT and SIGTERM

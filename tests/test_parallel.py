@@ -308,6 +308,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _hand_over_a_split(rank: int, port: int, folder) -> None:
+    """In a process of two: rank 0's split, sent by BPE-dropout's hand-over, saved by each process."""
+    import torch.distributed as dist
+
+    from tformer_cli.encoding import EncodedSplit, save_encoded
+    from tformer_cli.parallel import Workers
+    from tformer_cli.segmentation import _from_main
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        split = EncodedSplit([[5, 9, 2], [7, 2]], [[1, 6, 2], [1, 8, 8, 2]], [("a b", "c"), ("d", "é f")],
+                             dropped_empty=1, dropped_long=2, truncated=3) if rank == 0 else None
+        save_encoded(_from_main(Workers(rank, 2, rank, grouped=True), split), folder / f"rank-{rank}.safetensors")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bpe_dropouts_hand_over_gives_the_other_process_rank_0s_split_whole(tmp_path):
+    """Each epoch's segmentation goes from rank 0 to the others as tensors, not pickled: the other
+    process ends with the same ids, texts and counts."""
+    from tformer_cli.encoding import read_encoded, split_counts
+
+    torch.multiprocessing.spawn(_hand_over_a_split, args=(_free_port(), tmp_path), nprocs=2)
+    ours, theirs = (read_encoded(tmp_path / f"rank-{rank}.safetensors") for rank in (0, 1))
+    assert theirs == ours and split_counts(theirs) == split_counts(ours) == {
+        "dropped_empty": 1, "dropped_long": 2, "truncated": 3}
+    assert theirs.pairs[1] == ("d", "é f")
+
+
 @pytest.mark.parametrize("engine, victim", [("ddp", 1), pytest.param("ddp", 0, marks=pytest.mark.slow),
                                             pytest.param("fsdp", 0, marks=pytest.mark.slow),
                                             pytest.param("fsdp", 1, marks=pytest.mark.slow)])

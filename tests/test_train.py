@@ -513,20 +513,26 @@ def test_a_checkpoint_without_its_bpe_dropout_segmentation_resumes_with_a_warnin
 
 
 def test_under_bpe_dropout_every_process_trains_on_rank_0s_draw(tmp_path, monkeypatch):
-    """The other processes take rank 0's segmentation (``Workers.from_main``); none draws its own."""
+    """The other processes take rank 0's segmentation, its tensors sent as they are
+    (``Workers.tensors_from_main``; test_parallel sends them between two processes); none draws its own."""
     import tformer_cli.segmentation as segmentation
-    from tformer_cli.encoding import EncodedSplit
+    from tformer_cli.encoding import EncodedSplit, split_counts, split_tensors
 
-    rank_0s = EncodedSplit([[5, 2]], [[1, 6, 2]], [("a", "b")])
+    rank_0s = EncodedSplit([[5, 2]], [[1, 6, 2]], [("a", "b")], dropped_long=3)
 
-    class Rank1(Workers):
+    class Rank1(Workers):  # what reaches it from rank 0: the split's counts, then copies of its tensors
         def from_main(self, value):
             assert value is None
-            return rank_0s
+            return split_counts(rank_0s)
+
+        def tensors_from_main(self, tensors):
+            assert tensors is None
+            return {name: tensor.clone() for name, tensor in split_tensors(rank_0s).items()}
 
     monkeypatch.setattr(segmentation, "resegment", lambda *args: pytest.fail("a process other than rank 0 drew"))
     drawn = segmentation.Segmentations(None, None, None, Rank1(1, 2), ahead=True)
-    assert drawn.of_epoch(0).split is rank_0s and drawn.of_epoch(1).split is rank_0s
+    for epoch in (0, 1):
+        assert drawn.of_epoch(epoch).split == rank_0s
 
 
 @pytest.mark.parametrize("eval_every", [1000, 3], ids=["caught-by-the-checkpoint", "caught-by-validation"])
@@ -576,16 +582,17 @@ def test_fp16_loss_scale_is_kept_across_a_resume(tmp_path):
 
 
 def test_a_run_on_data_not_yet_cached_reads_and_tokenises_it_in_a_child_process(tmp_path, monkeypatch):
-    """Reading and tokenising leave libraries and heap behind (encoding.prepare_apart): a run whose data is
+    """Reading and tokenising leave libraries and heap behind (preparing.prepare_apart): a run whose data is
     not cached has a child process fill the cache, then trains from it. Here reading fails; the run
     does not, and a second run finds everything cached."""
     import tformer_cli.encoding as encoding
+    import tformer_cli.preparing as preparing
 
     def read_here(*args):
         raise AssertionError("the training process read the data")
 
     monkeypatch.setattr(encoding, "read_pairs", read_here)
-    monkeypatch.setattr(encoding, "PREPARE_APART_FROM", 100)  # so that tiny data is prepared apart too
+    monkeypatch.setattr(preparing, "PREPARE_APART_FROM", 100)  # so that tiny data is prepared apart too
     path = write_config(tmp_path / "c.yaml", data={"max_samples": 137}, train={"max_steps": 2})  # not yet cached
     for run, prepared in (("first", True), ("second", False)):
         events = []

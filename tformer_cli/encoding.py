@@ -3,7 +3,7 @@
 A split is tokenised with the run's vocabulary (``tokenizer.py``), in worker processes when it is
 large, and cached under ``cache_dir()`` keyed by the data, its settings and the vocabulary, so that the
 next run over the same data starts at once. Learning the vocabulary and tokenising may run in a child
-process (``prepare_apart``), which takes the heap that tokenizers grows with it when it ends.
+process (``preparing.py``), which takes the heap that tokenizers grows with it when it ends.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from safetensors.torch import save_file
 
 from tformer_cli.config import DataConfig
 from tformer_cli.data import file_versions, read_pairs
-from tformer_cli.errors import CheckpointError, DataError, first_line
+from tformer_cli.errors import CheckpointError, first_line
 from tformer_cli.files import error_number, replacing
 from tformer_cli.sequences import Sequences, TextPairs
 from tformer_cli.tokenizer import RECIPE, Vocabulary, usable_cpus
@@ -36,9 +35,6 @@ ENCODE_CHUNK = 100_000  # pairs tokenised at a time: their ids as Python lists a
 # 330 MiB per million texts, never returned) goes away with each worker
 ENCODE_IN_WORKERS = 500_000
 MAX_ENCODE_WORKERS = 8
-# Data capped below this many pairs (data.max_samples) is learnt and tokenised in the training process:
-# what that leaves behind is small, and a child process's start (~2 s) would cost more than it saves
-PREPARE_APART_FROM = 10_000
 TRAINING_ONLY = {"bpe_dropout"}  # data settings that change neither the vocabulary nor the cached encodings
 
 
@@ -71,7 +67,7 @@ class EncodedSplit:
     def signature(self) -> str:
         """A digest of the split's ids and texts: equal for the same pairs tokenised alike, wherever they
         are read. A split read from the cache has it already (its entry's checksum, verified on reading)."""
-        return (self.checksum or _checksum(_tensors(self)))[:16]
+        return (self.checksum or _checksum(split_tensors(self)))[:16]
 
 
 def data_fingerprint(cfg: DataConfig, split: str, *extra: Any) -> str:
@@ -220,8 +216,8 @@ _ENCODED_COUNTS = ("dropped_empty", "dropped_long", "truncated")
 _ENCODED_DTYPES = {"src_ids": torch.int32, "tgt_ids": torch.int32, "text_bytes": torch.uint8}
 
 
-def _tensors(split: EncodedSplit) -> dict[str, torch.Tensor]:
-    """The split as a cache entry's tensors (``_ENCODED_TENSORS``)."""
+def split_tensors(split: EncodedSplit) -> dict[str, torch.Tensor]:
+    """The split as a cache entry's tensors (``_ENCODED_TENSORS``); ``split_from_tensors`` reverses it."""
     text_bytes = split.pairs.data if split.pairs.data.numel() else torch.zeros(1, dtype=torch.uint8)  # none: 1 byte
     return {"src_ids": split.src.ids, "src_offsets": split.src.offsets,
             "tgt_ids": split.tgt.ids, "tgt_offsets": split.tgt.offsets,
@@ -237,9 +233,9 @@ def write_encoded(split: EncodedSplit, path: Path) -> None:
 def save_encoded(split: EncodedSplit, path: Path) -> None:
     """``split`` at ``path``, which ``read_encoded`` reads back, written in place: for a file inside a
     folder that is itself written atomically (a checkpoint's)."""
-    tensors = _tensors(split)
+    tensors = split_tensors(split)
     metadata = {"format": str(CACHE_FORMAT), "sha256": _checksum(tensors),
-                **{name: str(getattr(split, name)) for name in _ENCODED_COUNTS}}
+                **{name: str(count) for name, count in split_counts(split).items()}}
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(path), metadata=metadata)
 
 
@@ -266,13 +262,23 @@ def read_encoded(path: Path) -> EncodedSplit:
                 or ends.numel() == 0 or ends[0] != 0 or bool((ends.diff() < 0).any())
                 or ends[-1] > tensors[values].numel()):
             raise ValueError(f"its {values} are malformed")
-    split = EncodedSplit(Sequences(tensors["src_ids"], tensors["src_offsets"]),
-                         Sequences(tensors["tgt_ids"], tensors["tgt_offsets"]),
-                         TextPairs(tensors["text_bytes"], tensors["text_offsets"]),
-                         **{name: int(metadata[name]) for name in _ENCODED_COUNTS}, checksum=metadata["sha256"])
+    split = split_from_tensors(tensors, {name: int(metadata[name]) for name in _ENCODED_COUNTS}, metadata["sha256"])
     if len(split.tgt) != len(split) or len(split.pairs) != len(split) or split.pairs.offsets.numel() % 2 == 0:
         raise ValueError("its parts differ in length")
     return split
+
+
+def split_from_tensors(tensors: dict[str, torch.Tensor], counts: dict[str, int],
+                       checksum: str | None = None) -> EncodedSplit:
+    """The split that ``split_tensors`` gave ``tensors`` of, with its counts of dropped and truncated pairs."""
+    return EncodedSplit(Sequences(tensors["src_ids"], tensors["src_offsets"]),
+                        Sequences(tensors["tgt_ids"], tensors["tgt_offsets"]),
+                        TextPairs(tensors["text_bytes"], tensors["text_offsets"]), **counts, checksum=checksum)
+
+
+def split_counts(split: EncodedSplit) -> dict[str, int]:
+    """The split's counts of pairs dropped (empty, too long) and truncated."""
+    return {name: getattr(split, name) for name in _ENCODED_COUNTS}
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -319,83 +325,3 @@ def cached_vocabulary(cfg: DataConfig) -> Vocabulary | None:
 def encodings_cached(cfg: DataConfig, splits: Sequence[str], vocab: Vocabulary) -> bool:
     """Whether the cache holds the encodings of ``splits`` with ``vocab``."""
     return all(_encoded_path(cfg, split, vocab).is_file() for split in splits)
-
-
-def worth_preparing_apart(cfg: DataConfig) -> bool:
-    """Whether ``prepare_apart`` pays for this data: unless ``data.max_samples`` caps it below
-    PREPARE_APART_FROM pairs."""
-    return cfg.max_samples is None or cfg.max_samples >= PREPARE_APART_FROM
-
-
-def prepare_apart(cfg: DataConfig, splits: Sequence[str], vocabulary: Path | None = None) -> list[str]:
-    """Fill the cache in a child process: the vocabulary learned (``train_or_load_vocabulary``; or,
-    given, the one in the folder ``vocabulary``) and ``splits`` encoded with it. Returns the notices
-    it gave. Reading and tokenising leave libraries, buffers and a fragmented heap behind, ~170 MiB for
-    Multi30k (benchmarks/README.md); a training process that then reads the cache holds none of it."""
-    return _in_child(_prepare, cfg, tuple(splits), vocabulary)
-
-
-def _prepare(cfg: DataConfig, splits: tuple[str, ...], vocabulary: Path | None) -> list[str]:
-    notices: list[str] = []
-    vocab = Vocabulary.load(vocabulary) if vocabulary else train_or_load_vocabulary(cfg, notices.append)
-    for split in splits:
-        load_encoded(cfg, split, vocab, notices.append)
-    return notices
-
-
-def _in_child(function: Callable, *args: Any) -> Any:
-    """``function(*args)`` in a spawned process: what it returns, or what it raises raised here. A
-    signal here (``Interrupted``) stops the child as well; a child that dies without answering (killed,
-    out of memory) is a DataError."""
-    from multiprocessing import get_context
-
-    context = get_context("spawn")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_answer, args=(send, function, args))  # not a daemon: it may spawn encoders
-    child.start()
-    send.close()
-    try:
-        returned, value = receive.recv()
-    except EOFError:
-        child.join()
-        raise DataError(f"preparing the data failed: its process ended with exit code {child.exitcode} "
-                        f"({_death(child.exitcode)})") from None
-    except BaseException:
-        child.terminate()  # it unwinds (_answer)
-        raise
-    finally:
-        child.join()
-        receive.close()
-    if not returned:
-        raise value
-    return value
-
-
-def _death(exitcode: int | None) -> str:
-    """What a child's exit code says of how it ended, for the one-line error."""
-    if exitcode is None or exitcode >= 0:
-        return "its error is above"
-    name = signal.Signals(-exitcode).name
-    return "SIGKILL: out of memory?" if name == "SIGKILL" else f"{name}: a library it ran crashed"
-
-
-def _answer(send, function: Callable, args: tuple) -> None:
-    """In the child: run, and send back what came of it. Stopped by the parent (SIGTERM) or by Ctrl-C,
-    it unwinds and exits as Python does, releasing what it made, instead of dying with it held."""
-    signal.signal(signal.SIGTERM, _unwind)
-    try:
-        answer = (True, function(*args))
-    except BaseException as exc:  # noqa: BLE001 - raised again in the parent
-        answer = (False, exc)
-    for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal would interrupt the unwinding
-        signal.signal(signum, signal.SIG_IGN)
-    try:
-        send.send(answer)
-    except OSError:  # the parent has stopped waiting: it was stopped itself
-        pass
-    except Exception:  # noqa: BLE001 - an exception that does not pickle: its first line
-        send.send((False, DataError(first_line(answer[1]))))
-
-
-def _unwind(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt

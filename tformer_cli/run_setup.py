@@ -15,8 +15,7 @@ from tformer_cli.accel import accelerate
 from tformer_cli.config import Config, DataConfig
 from tformer_cli.devices import training_precision
 from tformer_cli.encoding import (
-    EncodedSplit, cached_vocabulary, encodings_cached, load_encoded, prepare_apart, train_or_load_vocabulary,
-    worth_preparing_apart)
+    EncodedSplit, cached_vocabulary, encodings_cached, load_encoded, train_or_load_vocabulary)
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, ConfigError, DataError, first_line, out_of_memory
 from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, compiles, label_smoothed_loss
@@ -25,6 +24,7 @@ from tformer_cli.model import build_model
 from tformer_cli.optim import make_optimizer
 from tformer_cli.params import total_params
 from tformer_cli.parallel import Workers, distribute, gathered, load_optimizer_state, shard_like
+from tformer_cli.preparing import prepare_apart, worth_preparing_apart
 from tformer_cli.run_folder import METRICS, WEIGHTS
 from tformer_cli.run_writer import RunWriter, writes_in_background
 from tformer_cli.runtime import (

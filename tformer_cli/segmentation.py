@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from tformer_cli.config import DataConfig
-from tformer_cli.encoding import EncodedSplit, read_encoded, resegment, save_encoded
+from tformer_cli.encoding import (
+    EncodedSplit, read_encoded, resegment, save_encoded, split_counts, split_from_tensors, split_tensors)
 from tformer_cli.errors import CheckpointError
 from tformer_cli.parallel import Workers
 from tformer_cli.run_folder import SEGMENTATION
@@ -83,10 +84,18 @@ class Segmentations:
             split = None
             if self._workers.main:
                 split = self._drawing.result() if self._drawing is not None else self._draw()
-            found = Segmentation(epoch, self._workers.from_main(split))
+            found = Segmentation(epoch, _from_main(self._workers, split))
         if self._ahead and self._workers.main:
             self._drawing = _Drawing(self._draw)
         return found
+
+
+def _from_main(workers: Workers, split: EncodedSplit | None) -> EncodedSplit:
+    """Rank 0's ``split`` on every process, its tensors sent as they are: pickled, a split of a million
+    pairs took 2.2-5.2 s between two processes on 2 cores, sent as tensors 0.27-0.30 s (benchmarks/README.md)."""
+    counts = workers.from_main(split_counts(split) if workers.main else None)
+    tensors = workers.tensors_from_main(split_tensors(split) if workers.main else None)
+    return split if workers.main else split_from_tensors(tensors, counts)
 
 
 class _Drawing:
