@@ -259,6 +259,18 @@ def test_encode_split_drops_empty_and_drops_or_truncates_long_pairs():
     assert len(truncated.src[1]) == 8 and truncated.src[1][-1] == vocab.encode_sources(["a"])[0][-1]
 
 
+def test_encode_split_gives_the_same_split_in_chunks_of_any_size():
+    """BPE-dropout's draw encodes in smaller chunks than the cache does (encoding.DRAW_CHUNK): the
+    chunks change nothing, the counts of dropped and truncated pairs included."""
+    vocab = Vocabulary.train([("a b c d e f g", "a b c d e f g")], vocab_size=40, min_frequency=1)
+    pairs = [("a b", "c d"), ("", "c"), ("a b c d e f g a b c d e f g", "a"), ("c", "")] * 5 + [("g f", "e")]
+    for long_pairs in ("drop", "truncate"):
+        cfg = DataConfig(max_length=8, long_pairs=long_pairs)
+        whole = encode_split(pairs, vocab, cfg)
+        for chunk in (1, 3, 7):
+            assert encode_split(pairs, vocab, cfg, chunk) == whole
+
+
 def test_bpe_learns_from_blocks_spread_over_the_whole_split_when_it_is_larger_than_bpe_max_pairs():
     from tformer_cli.tokenizer import _batches
 

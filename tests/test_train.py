@@ -535,6 +535,33 @@ def test_under_bpe_dropout_every_process_trains_on_rank_0s_draw(tmp_path, monkey
         assert drawn.of_epoch(epoch).split == rank_0s
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_draw_beside_training_runs_with_the_heap_frozen_and_leaves_the_collector_as_it_was(fails):
+    """While BPE-dropout draws on its thread, what existed before is frozen out of the collector's full
+    collections (which would hold the GIL ~0.1 s each and stall training); afterwards, also after a
+    draw that failed, nothing stays frozen."""
+    import gc
+
+    from tformer_cli.segmentation import _Drawing
+
+    frozen = []
+
+    def draw():
+        frozen.append(gc.get_freeze_count())
+        if fails:
+            raise ValueError("no draw")
+        return "the split"
+
+    before = gc.get_freeze_count()
+    drawing = _Drawing(draw)
+    if fails:
+        with pytest.raises(ValueError, match="no draw"):
+            drawing.result()
+    else:
+        assert drawing.result() == "the split"
+    assert frozen[0] > before and gc.get_freeze_count() == before
+
+
 @pytest.mark.parametrize("eval_every", [1000, 3], ids=["caught-by-the-checkpoint", "caught-by-validation"])
 def test_a_diverged_run_stops_before_saving_and_keeps_its_good_checkpoints(tmp_path, monkeypatch, eval_every):
     import tformer_cli.train as training

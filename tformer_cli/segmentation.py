@@ -10,6 +10,7 @@ the device does not wait for it at the epoch's end.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from collections.abc import Callable
@@ -109,10 +110,16 @@ class _Drawing:
         self._thread.start()
 
     def _run(self, draw: Callable[[], EncodedSplit]) -> None:
+        # A draw's millions of short-lived lists set off full collections, each walking the whole heap
+        # with the GIL held: ~0.1 s each, two or three a draw of Multi30k, the training loop stalled.
+        # Frozen, what existed before the draw is left out of them (benchmarks/README.md).
+        gc.freeze()
         try:
             self._split = draw()
         except BaseException as exc:  # raised again where the draw is taken
             self._error = exc
+        finally:
+            gc.unfreeze()
 
     def result(self) -> EncodedSplit:
         self._thread.join()
