@@ -52,6 +52,19 @@ PRECISION = "fp32"  # the suite's precision (benchmarks/run.py --precision): CTr
 HOLD_FOR_DECODING = True  # tformer decodes as `tformer eval` does: in bf16 on a GPU, the model held in bf16 (Marian too)
 
 
+def _decoding_precision(model: nn.Module, device: torch.device, accel: str = "auto"):
+    """The context a system decodes in, as `tformer eval --precision` decodes: where ``held_in_bf16``
+    (bf16 on a GPU), the model held in bf16 (converted at its first batch) and the suite's autocast
+    off; elsewhere the suite's own precision."""
+    from tformer_cli.cli_options import held_in_bf16
+
+    if not (HOLD_FOR_DECODING and held_in_bf16(device, PRECISION, accel)):
+        return nullcontext()
+    if next(model.parameters()).dtype != torch.bfloat16:
+        model.to(torch.bfloat16)
+    return torch.autocast(device.type, enabled=False)
+
+
 @dataclass
 class TrainBatch:
     src: torch.Tensor  # (B, S)
@@ -226,16 +239,11 @@ class Tformer(System):
         self.optimizer.zero_grad(set_to_none=True)
 
     def _decode(self, src: torch.Tensor, new_tokens: int, beams: int) -> list:
-        from tformer_cli.cli_options import held_in_bf16
         from tformer_cli.decoding import DecodeOptions, decode_batch
 
         self.model.eval()
         options = DecodeOptions(beam_size=beams, max_len_a=0, max_len_b=new_tokens, min_len=new_tokens)
-        held = HOLD_FOR_DECODING and held_in_bf16(src.device, PRECISION, ACCEL)
-        if held:
-            self.model.to(torch.bfloat16)
-        # the suite's autocast is not for a model held in bf16
-        with torch.autocast(src.device.type, enabled=False) if held else nullcontext():
+        with _decoding_precision(self.model, src.device, ACCEL):
             return decode_batch(self.model, src, options)
 
     def greedy(self, src, new_tokens):
@@ -401,14 +409,10 @@ class Marian(System):
         return self.model(input_ids=batch.src, attention_mask=batch.src != PAD, decoder_input_ids=batch.tgt_in).logits
 
     def _generate(self, src, new_tokens, beams):
-        from tformer_cli.cli_options import held_in_bf16
-
         self.model.eval()
-        # held in bf16 where tformer's model is (its best honest setting: HF's torch_dtype=torch.bfloat16)
-        held = HOLD_FOR_DECODING and held_in_bf16(src.device, PRECISION)
-        if held:
-            self.model.to(torch.bfloat16)
-        with torch.inference_mode(), torch.autocast(src.device.type, enabled=False) if held else nullcontext():
+        # held in bf16 where tformer's model is (its best honest setting: HF's torch_dtype=torch.bfloat16),
+        # also where tformer's speed layer is off
+        with torch.inference_mode(), _decoding_precision(self.model, src.device):
             return self.model.generate(input_ids=src, attention_mask=src != PAD, num_beams=beams, do_sample=False,
                                        max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True)
 
