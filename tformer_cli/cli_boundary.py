@@ -32,15 +32,11 @@ class ErrorBoundary(TyperGroup):
         except getattr(click_errors, "NoArgsIsHelpError", ()):  # `tformer` alone: typer has printed the help
             sys.exit(2)
         except click_errors.ClickException as exc:
-            from tformer_cli.render import error_lines
-
             ctx = getattr(exc, "ctx", None)
-            error_lines(f"{exc.format_message().removesuffix('.')} ({self._command(ctx, args)} -h shows the usage)")
+            _say(f"{exc.format_message().removesuffix('.')} ({self._command(ctx, args)} -h shows the usage)")
             sys.exit(exc.exit_code)
         except typer.Abort:  # end of input at a prompt
-            from tformer_cli.render import error_lines
-
-            error_lines("aborted")
+            _say("aborted")
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
 
@@ -59,25 +55,19 @@ class ErrorBoundary(TyperGroup):
         except OSError as exc:  # a file the user named cannot be read or written: no traceback for that
             if exc.filename is None or ctx.params.get("debug"):
                 raise
-            from tformer_cli.render import error_lines
-
-            error_lines(f"{exc.filename}: {exc.strerror}")
+            _say(f"{exc.filename}: {exc.strerror}")
             raise typer.Exit(1) from None
         except KeyboardInterrupt as exc:
             # a signal while an error unwinds (a launcher stopping the others once one failed): the error says why
             if isinstance(exc.__context__, TformerError):
                 self._failed(ctx, exc.__context__)
-            from tformer_cli.render import error_lines
-
-            error_lines("interrupted")
+            _say("interrupted")
             raise typer.Exit(128 + getattr(exc, "signum", signal.SIGINT)) from None
         except RuntimeError as exc:  # out of memory: say which setting to lower, not where torch ran out
             if not out_of_memory(exc) or ctx.params.get("debug"):
                 raise
-            from tformer_cli.render import error_lines
-
             where = "GPU" if type(exc).__name__ == "OutOfMemoryError" else "CPU"
-            error_lines(f"out of {where} memory: {OUT_OF_MEMORY.get(ctx.invoked_subcommand, 'use a smaller model')}")
+            _say(f"out of {where} memory: {OUT_OF_MEMORY.get(ctx.invoked_subcommand, 'use a smaller model')}")
             raise typer.Exit(1) from None
 
     @staticmethod
@@ -85,13 +75,18 @@ class ErrorBoundary(TyperGroup):
         """The error in one red line and exit code 1 (the traceback with --debug)."""
         if ctx.params.get("debug"):
             raise exc
-        from tformer_cli.render import error_lines
-
         # a wrong command line or config is the same mistake in every process torchrun starts on a
         # machine: the first says it, not all eight
         if not (isinstance(exc, (ConfigError, UsageError)) and os.environ.get("LOCAL_RANK", "0") != "0"):
-            error_lines(str(exc))
+            _say(str(exc))
         raise typer.Exit(1) from None
+
+
+def _say(message: str) -> None:
+    """``message`` as red lines on stderr (rich loads only when there is something to say)."""
+    from tformer_cli.render import error_lines
+
+    error_lines(message)
 
 
 # What to lower when a command runs out of memory
