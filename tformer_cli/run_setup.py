@@ -132,8 +132,9 @@ class Setup:
         resumable = checkpoint is not None and data_unchanged
         resumed = read_segmentation(checkpoint, self.state.epoch) if resumable else None
         if resumable and resumed is None and self.state.batch_in_epoch:
-            notify("warning", {"message": f"{checkpoint.name} holds no BPE-dropout segmentation of its epoch: the rest "
-                               "of the epoch is segmented afresh, so the run will not match one that was never stopped"})
+            notify("warning", {"message": f"{checkpoint.name} holds no BPE-dropout segmentation of its epoch: the "
+                               "rest of the epoch is segmented afresh, so the run will not match one that was never "
+                               "stopped"})
         return Segmentations(self.train_data, self.vocab, self.config.data, self.workers, draws_ahead(self.device),
                              resumed)
 

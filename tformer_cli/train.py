@@ -358,7 +358,8 @@ def _checkpoint(setup: Setup, notify: Callback) -> None:
     if not (setup.sharded or setup.workers.main):  # DDP: rank 0 holds everything it writes
         setup.saved_step = state.step
         return
-    trainer_state = {"optimizer": optimizer_state(setup.optimizer), "state": asdict(state), "rng": rng_state(setup.device)}
+    trainer_state = {"optimizer": optimizer_state(setup.optimizer), "state": asdict(state),
+                     "rng": rng_state(setup.device)}
     if setup.ema is not None:
         trainer_state["ema"] = gathered(setup.ema.state_dict())
     if setup.scaler.is_enabled():
