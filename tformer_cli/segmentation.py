@@ -100,8 +100,9 @@ def _from_main(workers: Workers, split: EncodedSplit | None) -> EncodedSplit:
 
 
 class _Drawing:
-    """A draw on a thread of its own, which tokenizers lets run beside training (it releases the GIL
-    while it encodes). A daemon: a run that stops does not wait for a draw it will not use."""
+    """A draw on a thread of its own, beside training: tokenizers releases the GIL while it encodes, and
+    the Python around it takes the GIL in slices of ~5-15 ms. A daemon: a run that stops does not wait
+    for a draw it will not use."""
 
     def __init__(self, draw: Callable[[], EncodedSplit]) -> None:
         self._split: EncodedSplit | None = None
