@@ -415,6 +415,27 @@ def test_bf16_autocast_trains_on_cpu_and_warns_where_it_would_be_slow(tmp_path, 
     assert (warnings == []) if native else ("set train.precision=fp32" in warnings[0])
 
 
+def test_validation_computes_in_the_precision_training_computes_in(tmp_path, monkeypatch):
+    """A run that trains under bf16 autocast validates under it too (as fairseq validates an fp16 run):
+    the logged validation loss is evaluate_loss's under bf16 autocast, not its fp32 figure."""
+    import tformer_cli.train as training
+    from tformer_cli.evaluation import evaluate_loss
+
+    references, record = {}, training.validation_record
+
+    def validation_record(model, vocab, split, train_cfg, *args, **kwargs):
+        for name, enabled in (("bf16", True), ("fp32", False)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+                references[name] = evaluate_loss(model, split, train_cfg.max_tokens).loss
+        return record(model, vocab, split, train_cfg, *args, **kwargs)
+
+    monkeypatch.setattr(training, "validation_record", validation_record)
+    path = write_config(tmp_path / "b.yaml", train={"max_steps": 2, "eval_every": 2, "precision": "bf16"})
+    logged = train(load_config(path), tmp_path / "run").last_eval["loss"]
+    assert logged == pytest.approx(references["bf16"], rel=1e-6)
+    assert references["fp32"] != pytest.approx(references["bf16"], rel=1e-5)  # which the fp32 figure is not
+
+
 def test_precision_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores_and_fp32_elsewhere(tmp_path, monkeypatch):
     from tformer_cli.devices import training_precision
 

@@ -217,8 +217,9 @@ def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -
     if setup.validates_here and validates_bleu(cfg):
         sentences = min(cfg.eval_max_sentences, len(setup.valid_data.pairs))
         sentences = math.ceil(sentences / setup.workers.size) if setup.validates_together else sentences
-        build_decoding_kernels(setup.replica if setup.sharded else setup.model,
-                               validation_rows(setup.config.decode, sentences))
+        with autocast(setup.device, setup.precision):  # validation's precision: its kernels' data type
+            build_decoding_kernels(setup.replica if setup.sharded else setup.model,
+                                   validation_rows(setup.config.decode, sentences))
     if setup.compiled or setup.precision != "fp32" or setup.sharded:
         return
     src, tgt = data.src.lengths(), data.tgt.lengths()
@@ -345,9 +346,11 @@ def _evaluate(setup: Setup, state: TrainState, notify: Callback) -> dict[str, An
 
 def _validate(setup: Setup, model: torch.nn.Module, step: int, decode: DecodeConfig | None = None,
               together: bool = False) -> dict[str, Any]:
-    """``evaluation.validation_record`` of ``model``; ``together``: every process computes its share."""
-    return validation_record(model, setup.vocab, setup.valid_data, setup.config.train, decode or setup.config.decode,
-                             step, setup.device, setup.workers if together else None)
+    """``evaluation.validation_record`` of ``model``, in the precision training computes in (bf16 autocast
+    on a GPU that trains in bf16, as fairseq validates); ``together``: every process computes its share."""
+    with autocast(setup.device, setup.precision):
+        return validation_record(model, setup.vocab, setup.valid_data, setup.config.train,
+                                 decode or setup.config.decode, step, setup.device, setup.workers if together else None)
 
 
 def _checkpoint(setup: Setup, notify: Callback) -> None:
