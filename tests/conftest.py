@@ -70,14 +70,14 @@ def train_step(model, model_config, device="cpu", **train):
 
     import tformer_cli.train as training
     from tformer_cli.config import Config, TrainConfig
-    from tformer_cli.devices import autocast, training_precision
+    from tformer_cli.devices import autocast, resolve_precision
     from tformer_cli.evaluation import Seq2SeqLoss
     from tformer_cli.optim import make_optimizer
     from tformer_cli.parallel import Workers
     from tformer_cli.run_setup import TrainState
 
     device, cfg = torch.device(device), TrainConfig(**train)
-    precision = training_precision(cfg.precision, device)
+    precision = resolve_precision(cfg.precision, device)
     setup = SimpleNamespace(config=Config(model=model_config, train=cfg), workers=Workers(), state=TrainState(),
                             optimizer=make_optimizer(model, cfg, device), device=device, model=model, ema=None,
                             scaler=torch.amp.GradScaler(device.type, enabled=precision == "fp16"),

@@ -296,7 +296,7 @@ def _argument_cases() -> list[Case]:
         (gen + ["seven", "--prefix", "€"], "no token for '€'"),
         (gen + ["seven", "--sample", "--beam", "3"], "drop --beam-size"),
         (gen + ["seven", "--device", "gpu"], "--device gpu: expected auto, cpu or cuda"),
-        (gen + ["seven", "--precision", "int4"], "use fp32, bf16 or fp16"),
+        (gen + ["seven", "--precision", "int4"], "use auto, fp32, bf16 or fp16"),
         (gen + [b"seven \xff".decode("utf-8", "surrogateescape")], "TEXTS: not UTF-8 text"),
         (["generate", "{tmp}/nowhere", "seven"], "no such run folder"),
         (["generate", "{tmp}", "seven"], "neither a run folder nor a checkpoint"),

@@ -178,12 +178,27 @@ def test_eval_and_generate_under_bf16_autocast(run_dir):
     result = runner.invoke(app, args + ["--precision", "bf16"])
     assert result.exit_code == 0, result.output
     bf16 = json.loads(result.stdout)
+    assert fp32["precision"] == "fp32"  # the default, auto, on a CPU
     assert bf16["precision"] == "bf16" and bf16["sentences"] == 16
     assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05, abs=0.02)
+    table = runner.invoke(app, args[:-1] + ["--precision", "bf16"])
+    assert table.exit_code == 0 and " · validation · beam 1 · bf16\n" in table.stdout
     generated = runner.invoke(app, ["generate", str(run_dir), "seven", "twelve", "--precision", "bf16"])
     assert generated.exit_code == 0 and len(generated.stdout.splitlines()) == 2
     bad = runner.invoke(app, ["eval", str(run_dir), "--precision", "int4"])
-    assert bad.exit_code == 1 and "use fp32, bf16 or fp16" in bad.output and "Traceback" not in bad.output
+    assert bad.exit_code == 1 and "use auto, fp32, bf16 or fp16" in bad.output and "Traceback" not in bad.output
+
+
+def test_decoding_precision_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores_and_fp32_elsewhere(monkeypatch):
+    from tformer_cli.cli_options import decoding_precision
+
+    capability = {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["of the GPU"])
+    for capability["of the GPU"], expected in (((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp32")):  # H100, A100, T4
+        assert decoding_precision(torch.device("cuda"), "auto") == expected
+        assert decoding_precision(torch.device("cuda"), "fp32") == "fp32"  # what is asked for, as it is
+    assert decoding_precision(torch.device("cpu"), "auto") == "fp32"
+    assert decoding_precision(torch.device("cpu"), "int8") == "int8"
 
 
 def test_decoding_in_bf16_warns_on_a_cpu_without_native_bf16(run_dir, monkeypatch):

@@ -282,7 +282,8 @@ def test_on_cuda_packed_rows_train_as_padded_batches_under_bf16(compiled):
 
 def test_eval_in_bf16_on_cuda_holds_the_model_in_bf16_and_keeps_its_loss(trained_run, monkeypatch):
     """``eval --precision bf16`` on a GPU decodes with the model held in bf16 (cli_options.load_for_decoding),
-    its teacher-forced loss within 2 % of fp32's."""
+    its teacher-forced loss within 2 % of fp32's; so does eval's default, --precision auto, on a GPU with
+    bf16 tensor cores."""
     import json
 
     from typer.testing import CliRunner
@@ -299,14 +300,20 @@ def test_eval_in_bf16_on_cuda_holds_the_model_in_bf16_and_keeps_its_loss(trained
         return context
 
     monkeypatch.setattr(cli_options, "hold_for_decoding", recorded)
-    losses = {}
-    for precision in ("fp32", "bf16"):
-        result = CliRunner().invoke(app, ["eval", str(trained_run), "--device", "cuda", "--precision", precision,
+    losses, reported = {}, []
+    for precision in ("fp32", "bf16", None):
+        chosen = ["--precision", precision] if precision else []
+        result = CliRunner().invoke(app, ["eval", str(trained_run), "--device", "cuda", *chosen,
                                           "--max-samples", "20", "--beam-size", "1", "--json"])
         assert result.exit_code == 0, result.output
-        losses[precision] = json.loads(result.stdout)["loss"]
-    assert held == [torch.float32, torch.bfloat16]
+        figures = json.loads(result.stdout)
+        losses[precision] = figures["loss"]
+        reported.append(figures["precision"])
+    recent = torch.cuda.get_device_capability() >= (8, 0)
+    assert reported == ["fp32", "bf16", "bf16" if recent else "fp32"]
+    assert held == [torch.float32, torch.bfloat16, torch.bfloat16 if recent else torch.float32]
     assert losses["bf16"] == pytest.approx(losses["fp32"], rel=0.02)
+    assert losses[None] == pytest.approx(losses["bf16" if recent else "fp32"], rel=1e-6)
 
 
 def test_a_training_step_on_cuda_never_waits_for_the_gpu():

@@ -437,14 +437,14 @@ def test_validation_computes_in_the_precision_training_computes_in(tmp_path, mon
 
 
 def test_precision_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores_and_fp32_elsewhere(tmp_path, monkeypatch):
-    from tformer_cli.devices import training_precision
+    from tformer_cli.devices import resolve_precision
 
     capability = {}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["of the GPU"])
     cuda = torch.device("cuda")
     for capability["of the GPU"], expected in (((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp32")):  # H100, A100, T4
-        assert training_precision("auto", cuda) == expected
-    assert [training_precision(setting, cuda) for setting in ("fp32", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
+        assert resolve_precision("auto", cuda) == expected
+    assert [resolve_precision(setting, cuda) for setting in ("fp32", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
     # a CPU trains in fp32 unless bf16 is asked for, whatever it has: the default config here
     events = []
     train(load_config(write_config(tmp_path / "a.yaml", train={"max_steps": 1, "device": "cpu"})), tmp_path / "run",

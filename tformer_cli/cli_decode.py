@@ -12,7 +12,7 @@ import typer
 
 from tformer_cli.cli_options import (
     ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, InputLines, JsonOpt, MaxTokensOpt, PrecisionOpt,
-    RunArg, check_decoding_flags, check_text, load_for_decoding)
+    RunArg, check_decoding_flags, check_text, decoding_precision, load_for_decoding)
 from tformer_cli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def eval_command(
     max_tokens: MaxTokensOpt = None,
     length_penalty: AlphaOpt = None,
     device: DecodeDeviceOpt = None,
-    precision: PrecisionOpt = "fp32",
+    precision: PrecisionOpt = "auto",
     accel: AccelOpt = "auto",
     json_output: JsonOpt = False,
 ) -> None:
@@ -106,6 +106,7 @@ def eval_command(
     check_mode(accel)
     _check_data_files(data_files)
     dev = resolve_device(device or "auto")
+    precision = decoding_precision(dev, precision)
     runs = ensemble_runs(run, ensemble)
     loaded, models, amp = load_for_decoding(runs, dev, accel, precision)
     config = loaded.config
@@ -199,7 +200,7 @@ def generate(
     max_tokens: MaxTokensOpt = None,
     length_penalty: AlphaOpt = None,
     device: DecodeDeviceOpt = None,
-    precision: PrecisionOpt = "fp32",
+    precision: PrecisionOpt = "auto",
     accel: AccelOpt = "auto",
     engine: EngineOpt = "tformer",
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object a line.")] = False,
@@ -227,8 +228,9 @@ def generate(
     check_mode(accel)
     check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
     _check_generate_flags(texts or [], prefix, sample, beam_size, mbr, mbr_candidates, json_input)
-    loaded, models, translate = _translator(engine, ensemble_runs(run, ensemble), resolve_device(device or "auto"),
-                                            accel, precision)
+    dev = resolve_device(device or "auto")
+    loaded, models, translate = _translator(engine, ensemble_runs(run, ensemble), dev, accel,
+                                            decoding_precision(dev, precision))
     check_prefix(loaded.vocab, "--prefix", prefix)
     layers = min(len(model.decoder.layers) for model in models.models)
     if align_layer is not None and align_layer > layers:

@@ -52,8 +52,9 @@ AccelOpt = Annotated[str, typer.Option(
     help="auto | off: tformer's speed layer (faster CPU kernels; on GPUs, decoding as CUDA graphs with the model "
          "held in bf16 under --precision bf16), or the plain model.", rich_help_panel=ADVANCED)]
 PrecisionOpt = Annotated[str, typer.Option(
-    help="fp32 | bf16 | fp16: autocast while decoding (bf16 is fast on GPUs and on CPUs with AVX-512 BF16 or AMX); "
-         "int8: int8 weights on a CPU.", rich_help_panel=ADVANCED)]
+    help="auto | fp32 | bf16 | fp16: autocast while decoding (bf16 is fast on GPUs and on CPUs with AVX-512 BF16 or "
+         "AMX); int8: int8 weights on a CPU. auto: bf16 on a GPU with bf16 tensor cores (A100, H100), fp32 elsewhere.",
+    rich_help_panel=ADVANCED)]
 
 
 def check_decoding_flags(**flags) -> None:
@@ -70,6 +71,15 @@ def check_decoding_flags(**flags) -> None:
             raise UsageError(f"--{name.replace('_', '-')} {value}: must be {expected.replace(' or null', '')}")
 
 
+def decoding_precision(device, precision: str) -> str:
+    """What ``--precision`` decodes in on ``device``: ``auto`` as ``train.precision: auto`` trains (bf16
+    on a GPU with bf16 tensor cores, where the model held in bf16 scored Multi30k's test2016 within 0.2
+    BLEU of fp32, greedy and beam 5: benchmarks/README.md, "Third lease"), anything else as given."""
+    from tformer_cli.devices import resolve_precision
+
+    return resolve_precision(precision, device)
+
+
 def decoding_autocast(device, precision: str):
     """The --precision autocast context; warns when it would be slower than fp32 here."""
     from tformer_cli.devices import autocast, slow_precision
@@ -80,7 +90,7 @@ def decoding_autocast(device, precision: str):
             raise UsageError("--precision int8: int8 weights are for CPUs; on a GPU use --precision bf16")
         return autocast(device, "fp32")
     if precision not in ("fp32", "bf16", "fp16"):
-        raise UsageError(f"--precision {precision}: use fp32, bf16 or fp16 (or int8, int8 weights on a CPU)")
+        raise UsageError(f"--precision {precision}: use auto, fp32, bf16 or fp16 (or int8, int8 weights on a CPU)")
     amp = autocast(device, precision)
     slow = slow_precision(device, precision)
     if slow:

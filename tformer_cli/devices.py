@@ -29,11 +29,11 @@ def resolve_device(name: str = "auto") -> torch.device:
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def training_precision(setting: str, device: torch.device) -> str:
-    """What ``train.precision`` trains in on ``device``. ``auto``: bf16 autocast on a GPU with bf16 matrix
-    units (compute capability 8.0 and later: A100, H100), where it runs the products on the tensor
-    cores and fp32 would run them at a tenth of the speed; fp32 elsewhere, CPUs included (bf16 pays
-    only on CPUs with AVX-512 BF16 or AMX, so there it is asked for)."""
+def resolve_precision(setting: str, device: torch.device) -> str:
+    """What ``train.precision`` trains in, and ``--precision`` decodes in, on ``device``. ``auto``: bf16 on
+    a GPU with bf16 matrix units (compute capability 8.0 and later: A100, H100), where it runs the
+    products on the tensor cores and fp32 would run them at a tenth of the speed; fp32 elsewhere, CPUs
+    included (bf16 pays only on CPUs with AVX-512 BF16 or AMX, so there it is asked for)."""
     if setting != "auto":
         return setting
     return "bf16" if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) else "fp32"

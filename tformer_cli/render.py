@@ -207,7 +207,8 @@ def eval_table(result: dict[str, Any]) -> None:
         candidates = "samples" if result["mbr_candidates"] == "sample" else "beam hypotheses"
         search = f"MBR over {result['mbr']} {candidates} ({result['mbr_metric']})"
     models = f" + {len(result['ensemble']) - 1} more (ensemble)" if result.get("ensemble") else ""
-    console.print(f"{result['run']}{models} · {result['split']} · {search}")  # a line of its own, as in _on_end
+    precision = f" · {result['precision']}" if result.get("precision", "fp32") != "fp32" else ""
+    console.print(f"{result['run']}{models} · {result['split']} · {search}{precision}")  # a line of its own, as in _on_end
     table = Table(box=box.SIMPLE_HEAD)
     table.add_column("metric")
     table.add_column("value", justify="right")

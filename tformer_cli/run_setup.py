@@ -13,7 +13,7 @@ import torch
 
 from tformer_cli.accel import accelerate
 from tformer_cli.config import Config, DataConfig
-from tformer_cli.devices import training_precision
+from tformer_cli.devices import resolve_precision
 from tformer_cli.encoding import (
     EncodedSplit, cached_vocabulary, encodings_cached, load_encoded, train_or_load_vocabulary)
 from tformer_cli.ema import WeightEMA
@@ -85,7 +85,7 @@ class Setup:
         self.replica = self._build_model() if self.sharded and workers.main else None
         self.optimizer = make_optimizer(self.model, cfg, device)  # over the parameters as distributed
         # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
-        self.precision = training_precision(cfg.precision, device)  # auto: bf16 on a recent GPU, fp32 elsewhere
+        self.precision = resolve_precision(cfg.precision, device)  # auto: bf16 on a recent GPU, fp32 elsewhere
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
         self.writer = RunWriter(writes_in_background(device))  # checkpoints: beside training on a GPU
         self.state, saved = TrainState(), {}
