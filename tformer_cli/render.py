@@ -208,7 +208,8 @@ def eval_table(result: dict[str, Any]) -> None:
         search = f"MBR over {result['mbr']} {candidates} ({result['mbr_metric']})"
     models = f" + {len(result['ensemble']) - 1} more (ensemble)" if result.get("ensemble") else ""
     precision = f" · {result['precision']}" if result.get("precision", "fp32") != "fp32" else ""
-    console.print(f"{result['run']}{models} · {result['split']} · {search}{precision}")  # a line of its own, as in _on_end
+    # a line of its own, as in _on_end
+    console.print(f"{result['run']}{models} · {result['split']} · {search}{precision}")
     table = Table(box=box.SIMPLE_HEAD)
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -205,8 +205,8 @@ def _no_step(cfg: TrainConfig, pairs: int, processes: int, accumulation: int) ->
 
 def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -> None:
     """Have the speed layer compile, before the first step, the matrix-product kernels that training
-    would otherwise build as it meets them: those of validation's decoding, on the processes that
-    validate (``linear.build_decoding_kernels``); then those of this epoch's batch shapes and of
+    would otherwise build as it meets them: those of validation's decoding, in its precision, on the
+    processes that validate (``linear.build_decoding_kernels``); then those of this epoch's batch shapes and of
     validation, one pass of the objective per shape and one validation (``gemm.build_kernels`` says
     why; it does nothing where products are not on oneDNN). The latter not under torch.compile or
     autocast, whose products are not these, nor under FSDP, whose passes would be collectives.
