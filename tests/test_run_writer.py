@@ -92,6 +92,24 @@ def test_checkpoints_written_beside_training_hold_their_step_as_those_written_at
     assert step == 2 and [s for s, at in steps_logged if at < ended][-1] >= 4
 
 
+def test_the_best_weights_copy_is_not_held_past_its_step(tmp_path, monkeypatch):
+    """Written beside training, validation copies the best weights to the host and the checkpoint of
+    its step writes from that copy; where no checkpoint follows (save_every 4, eval_every 2) the copy
+    is dropped at the step's end, not held (a model's worth of host memory) until the next checkpoint."""
+    config = load_config(write_config(tmp_path / "t.yaml", train={
+        "max_steps": 6, "save_every": 4, "eval_every": 2, "eval_bleu": False}))
+    held, evaluate = [], training._evaluate
+
+    def recorded(setup, state, notify):
+        held.append((state.step, setup.best_copy))  # what an earlier step left
+        return evaluate(setup, state, notify)
+
+    monkeypatch.setattr(run_setup, "writes_in_background", lambda device: True)
+    monkeypatch.setattr(training, "_evaluate", recorded)
+    train(config, tmp_path / "run")
+    assert held == [(2, None), (4, None), (6, None)]
+
+
 @pytest.mark.parametrize("background", [False, True, "fast"])
 def test_a_checkpoint_that_fails_to_write_stops_the_run_with_one_line_naming_the_last_intact(tmp_path, monkeypatch,
                                                                                              background):

@@ -93,9 +93,9 @@ class Setup:
         # so that a resume whose overrides make it diverge leaves the run's config as it was
         self.config_unsaved = resume
         self.saved_step: int | None = None  # the step of the last checkpoint written or resumed from
-        # the best weights' copy for the writer, with its step: the checkpoint of that step, which follows
-        # the validation (at every validation's step by default), writes from the same copy
-        self.best_copy: tuple[int, torch.nn.Module] | None = None
+        # the copy of the weights that this step's validation wrote as the best: the step's checkpoint (at
+        # every validation's step by default) writes from it too; dropped at the step's end, not held on
+        self.best_copy: torch.nn.Module | None = None
         if checkpoint is not None:
             saved = self._restore(checkpoint)
             self.saved_step = self.state.step

@@ -127,6 +127,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
                         stop_reason = f"no improvement in {cfg.patience} evaluations (early stopping)"
                 if state.step % (cfg.save_every or cfg.eval_every) == 0 or stop_reason:  # checkpoint
                     _checkpoint(setup, notify)
+                setup.best_copy = None  # a host copy of the weights on a GPU: not held until a later checkpoint
                 window["start"] += time.perf_counter() - paused
             if state.batch_in_epoch >= len(batches):
                 state.epoch += 1
@@ -333,7 +334,7 @@ def _evaluate(setup: Setup, state: TrainState, notify: Callback) -> dict[str, An
         if main:
             weights, best = setup.writer.weights(model), {"step": str(state.step)}
             setup.writer.submit(lambda: save_weights(weights, setup.run_dir / WEIGHTS, best))
-            setup.best_copy = (state.step, weights)
+            setup.best_copy = weights
     else:
         state.evals_without_improvement += 1
     record["best"] = improved
@@ -369,8 +370,7 @@ def _checkpoint(setup: Setup, notify: Callback) -> None:
         trainer_state["scaler"] = setup.scaler.state_dict()
     model, writer, run_dir, step = setup.whole_model(), setup.writer, setup.run_dir, state.step
     if setup.workers.main:  # the weights and state of this step, written now or beside the next steps
-        shared, setup.best_copy = setup.best_copy, None  # a copy validation took at this step: not taken again
-        weights = shared[1] if shared is not None and shared[0] == step else writer.weights(model)
+        weights = setup.best_copy if setup.best_copy is not None else writer.weights(model)
         trainer_state = writer.frozen(trainer_state)
         config = setup.config if setup.config_unsaved else None  # the config the checkpoint continues under
         latest = not setup.validates  # no validation: the latest weights are the run's weights
