@@ -189,18 +189,6 @@ def test_eval_and_generate_under_bf16_autocast(run_dir):
     assert bad.exit_code == 1 and "use auto, fp32, bf16 or fp16" in bad.output and "Traceback" not in bad.output
 
 
-def test_decoding_precision_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores_and_fp32_elsewhere(monkeypatch):
-    from tformer_cli.cli_options import decoding_precision
-
-    capability = {}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["of the GPU"])
-    for capability["of the GPU"], expected in (((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp32")):  # H100, A100, T4
-        assert decoding_precision(torch.device("cuda"), "auto") == expected
-        assert decoding_precision(torch.device("cuda"), "fp32") == "fp32"  # what is asked for, as it is
-    assert decoding_precision(torch.device("cpu"), "auto") == "fp32"
-    assert decoding_precision(torch.device("cpu"), "int8") == "int8"
-
-
 def test_decoding_in_bf16_warns_on_a_cpu_without_native_bf16(run_dir, monkeypatch):
     monkeypatch.setattr("tformer_cli.accel.ops.native_on_cpu", lambda precision: False)
     result = runner.invoke(app, ["generate", str(run_dir), "seven", "--precision", "bf16", "--device", "cpu"])

@@ -436,7 +436,7 @@ def test_validation_computes_in_the_precision_training_computes_in(tmp_path, mon
     assert references["fp32"] != pytest.approx(references["bf16"], rel=1e-5)  # which the fp32 figure is not
 
 
-def test_precision_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores_and_fp32_elsewhere(tmp_path, monkeypatch):
+def test_precision_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores_and_fp32_elsewhere_for_training_and_decoding(tmp_path, monkeypatch):
     from tformer_cli.devices import resolve_precision
 
     capability = {}
@@ -444,7 +444,10 @@ def test_precision_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores_and_fp32_elsewhe
     cuda = torch.device("cuda")
     for capability["of the GPU"], expected in (((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp32")):  # H100, A100, T4
         assert resolve_precision("auto", cuda) == expected
+        assert resolve_precision("fp32", cuda) == "fp32"  # what is asked for, as it is
     assert [resolve_precision(setting, cuda) for setting in ("fp32", "bf16", "fp16")] == ["fp32", "bf16", "fp16"]
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu) == "fp32" and resolve_precision("int8", cpu) == "int8"  # eval's int8
     # a CPU trains in fp32 unless bf16 is asked for, whatever it has: the default config here
     events = []
     train(load_config(write_config(tmp_path / "a.yaml", train={"max_steps": 1, "device": "cpu"})), tmp_path / "run",

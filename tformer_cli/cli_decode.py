@@ -12,7 +12,7 @@ import typer
 
 from tformer_cli.cli_options import (
     ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, InputLines, JsonOpt, MaxTokensOpt, PrecisionOpt,
-    RunArg, check_decoding_flags, check_text, decoding_precision, load_for_decoding)
+    RunArg, check_decoding_flags, check_text, load_for_decoding)
 from tformer_cli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def eval_command(
     """
     from tformer_cli.accel import check_mode
     from tformer_cli.decoding import DecodeOptions
-    from tformer_cli.devices import resolve_device
+    from tformer_cli.devices import resolve_device, resolve_precision
     from tformer_cli.evaluation import evaluate_run
 
     check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_tokens=max_tokens, max_samples=max_samples,
@@ -106,7 +106,7 @@ def eval_command(
     check_mode(accel)
     _check_data_files(data_files)
     dev = resolve_device(device or "auto")
-    precision = decoding_precision(dev, precision)
+    precision = resolve_precision(precision, dev)  # auto: bf16 on a recent GPU, as training
     runs = ensemble_runs(run, ensemble)
     loaded, models, amp = load_for_decoding(runs, dev, accel, precision)
     config = loaded.config
@@ -217,7 +217,7 @@ def generate(
     from tformer_cli.accel import check_mode
     from tformer_cli.ctranslate2_engine import check_engine
     from tformer_cli.decoding import DecodeOptions, sentences_per_batch
-    from tformer_cli.devices import resolve_device
+    from tformer_cli.devices import resolve_device, resolve_precision
     from tformer_cli.render import generation_lines, warn
 
     check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_tokens=max_tokens,
@@ -230,7 +230,7 @@ def generate(
     _check_generate_flags(texts or [], prefix, sample, beam_size, mbr, mbr_candidates, json_input)
     dev = resolve_device(device or "auto")
     loaded, models, translate = _translator(engine, ensemble_runs(run, ensemble), dev, accel,
-                                            decoding_precision(dev, precision))
+                                            resolve_precision(precision, dev))
     check_prefix(loaded.vocab, "--prefix", prefix)
     layers = min(len(model.decoder.layers) for model in models.models)
     if align_layer is not None and align_layer > layers:

@@ -71,15 +71,6 @@ def check_decoding_flags(**flags) -> None:
             raise UsageError(f"--{name.replace('_', '-')} {value}: must be {expected.replace(' or null', '')}")
 
 
-def decoding_precision(device, precision: str) -> str:
-    """What ``--precision`` decodes in on ``device``: ``auto`` as ``train.precision: auto`` trains (bf16
-    on a GPU with bf16 tensor cores, where the model held in bf16 scored Multi30k's test2016 within 0.2
-    BLEU of fp32, greedy and beam 5: benchmarks/README.md, "Third lease"), anything else as given."""
-    from tformer_cli.devices import resolve_precision
-
-    return resolve_precision(precision, device)
-
-
 def decoding_autocast(device, precision: str):
     """The --precision autocast context; warns when it would be slower than fp32 here."""
     from tformer_cli.devices import autocast, slow_precision

@@ -32,8 +32,10 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 def resolve_precision(setting: str, device: torch.device) -> str:
     """What ``train.precision`` trains in, and ``--precision`` decodes in, on ``device``. ``auto``: bf16 on
     a GPU with bf16 matrix units (compute capability 8.0 and later: A100, H100), where it runs the
-    products on the tensor cores and fp32 would run them at a tenth of the speed; fp32 elsewhere, CPUs
-    included (bf16 pays only on CPUs with AVX-512 BF16 or AMX, so there it is asked for)."""
+    products on the tensor cores and fp32 would run them at a tenth of the speed (decoding holds the
+    model in bf16 there: Multi30k's test2016 BLEU within 0.2 of fp32's, benchmarks/README.md, "Third
+    lease"); fp32 elsewhere, CPUs included (bf16 pays only on CPUs with AVX-512 BF16 or AMX, so there it
+    is asked for). Any other setting (int8 for decoding) as it is."""
     if setting != "auto":
         return setting
     return "bf16" if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) else "fp32"
