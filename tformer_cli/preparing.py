@@ -27,10 +27,9 @@ def worth_preparing_apart(cfg: DataConfig) -> bool:
 
 
 def prepare_apart(cfg: DataConfig, splits: Sequence[str], vocabulary: Path | None = None) -> list[str]:
-    """Fill the cache in a child process: the vocabulary learned (``train_or_load_vocabulary``; or,
-    given, the one in the folder ``vocabulary``) and ``splits`` encoded with it. Returns the notices
-    it gave. Reading and tokenising leave libraries, buffers and a fragmented heap behind, ~170 MiB for
-    Multi30k (benchmarks/README.md); a training process that then reads the cache holds none of it."""
+    """Fill the cache in a child process (why: the module's docstring): the vocabulary learned
+    (``train_or_load_vocabulary``; or, given, the one in the folder ``vocabulary``) and ``splits``
+    encoded with it. Returns the notices it gave."""
     return _in_child(_prepare, cfg, tuple(splits), vocabulary)
 
 
