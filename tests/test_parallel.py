@@ -149,6 +149,37 @@ def test_a_group_of_one_trains_through_the_engines_as_one_process_does(tmp_path,
     _assert_same_losses(tmp_path / "alone", tmp_path / "grouped")
 
 
+def test_under_fsdp_a_steps_validation_and_checkpoint_gather_the_weights_once(tmp_path, config, monkeypatch):
+    """Gathering the shards is a collective over the whole model: a step that validates and saves
+    gathers once for both, and the moving average's weights once more. What is saved is still the
+    single process's (group of one, gloo)."""
+    import tformer_cli.parallel as parallel
+    import tformer_cli.run_setup as run_setup
+    from tformer_cli.config import load_config
+    from tformer_cli.parallel import Workers, leave
+    from tformer_cli.train import train
+
+    overrides = ["train.parallel=fsdp", "train.ema_decay=0.9"]  # validation and a checkpoint at steps 2 and 4
+    train(load_config(config, overrides), tmp_path / "alone")
+    gathers = []
+
+    def gathered(tree):
+        gathers.append(len(tree))
+        return parallel.gathered(tree)
+
+    monkeypatch.setattr(run_setup, "gathered", gathered)
+    monkeypatch.setattr(parallel, "left_group", False)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        train(load_config(config, overrides), tmp_path / "sharded", workers=Workers(grouped=True))
+    finally:
+        leave()
+    assert len(gathers) == 4  # steps 2 and 4: the weights, then their average
+    for checkpoint in ("", *(f"checkpoints/{c.name}" for c in step_checkpoints(tmp_path / "alone")), "checkpoints/ema"):
+        _assert_same_weights(tmp_path / "alone", tmp_path / "sharded", checkpoint)
+    _assert_same_losses(tmp_path / "alone", tmp_path / "sharded")
+
+
 def test_a_peer_lost_while_clipping_is_one_line(tmp_path, config, monkeypatch):
     """Under FSDP the gradient norm is a collective of its own: a peer that dies then is reported as in
     any other collective (a rare CI failure printed a 263-line traceback from here)."""

@@ -83,6 +83,7 @@ class Setup:
         self.trainer = distribute(Seq2SeqLoss(self.model, cfg.label_smoothing, cfg.rdrop, loss), layers, workers,
                                   cfg.parallel, device)
         self.replica = self._build_model() if self.sharded and workers.main else None
+        self.replica_step: int | None = None  # the training step whose weights were gathered into it
         self.optimizer = make_optimizer(self.model, cfg, device)  # over the parameters as distributed
         # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
         self.precision = resolve_precision(cfg.precision, device)  # auto: bf16 on a recent GPU, fp32 elsewhere
@@ -162,15 +163,18 @@ class Setup:
         """Whether this process validates (all of the split, or its share): it then loads the split."""
         return self.validates and (self.workers.main or self.validates_together)
 
-    def whole_model(self) -> torch.nn.Module | None:
+    def whole_model(self, step: int | None = None) -> torch.nn.Module | None:
         """The model with its whole weights on rank 0 (None on the others). Under FSDP a collective
-        that every process calls: the shards are gathered into rank 0's copy."""
+        that every process calls: the shards are gathered into rank 0's copy, once for a training
+        ``step`` (its validation and checkpoint share the copy: every process skips the gather alike);
+        without a step, every call (the moving average's weights, swapped in)."""
         if not self.sharded:
             return self.model if self.workers.main else None
-        weights = gathered(self.model.state_dict())
-        if not self.workers.main:
-            return None
-        self.replica.load_state_dict(weights)
+        if step is None or step != self.replica_step:
+            weights = gathered(self.model.state_dict())
+            if self.workers.main:
+                self.replica.load_state_dict(weights)
+            self.replica_step = step
         return self.replica
 
     def _load_data(self, resume: bool, notify: Callback) -> None:

@@ -322,7 +322,7 @@ def _evaluate(setup: Setup, state: TrainState, notify: Callback) -> dict[str, An
     cfg, main = setup.config.train, setup.workers.main
     _check_finite(setup.model, state.step, setup.workers)  # NaN weights would be the first run's "best"
     notify("evaluating", {"step": state.step})
-    model = setup.whole_model()
+    model = setup.whole_model(state.step)
     if setup.validates_together:
         record = _validate(setup, setup.model, state.step, together=True)
     else:
@@ -368,7 +368,7 @@ def _checkpoint(setup: Setup, notify: Callback) -> None:
         trainer_state["ema"] = gathered(setup.ema.state_dict())
     if setup.scaler.is_enabled():
         trainer_state["scaler"] = setup.scaler.state_dict()
-    model, writer, run_dir, step = setup.whole_model(), setup.writer, setup.run_dir, state.step
+    model, writer, run_dir, step = setup.whole_model(state.step), setup.writer, setup.run_dir, state.step
     if setup.workers.main:  # the weights and state of this step, written now or beside the next steps
         weights = setup.best_copy if setup.best_copy is not None else writer.weights(model)
         trainer_state = writer.frozen(trainer_state)
