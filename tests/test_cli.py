@@ -263,8 +263,19 @@ def test_input_lines_come_in_batches_of_what_has_arrived(tmp_path):
         lines = InputLines(stream)
         chunks = _chunks(lines, 2, lines.waiting)
         assert next(chunks) == ["a", "b"]
+        assert next(chunks) == ["c"]  # the lines before a bad one, then the error naming it
         with pytest.raises(UsageError, match="standard input, line 4: not UTF-8 text"):
             next(chunks)
+
+
+def test_generate_translates_the_lines_before_one_it_cannot_read(trained_run):
+    """A bad line stops generate with one line naming it, after a translation of each line before it
+    (in the same batch too), so that the output's lines match the input's up to it."""
+    result = runner.invoke(app, ["generate", str(trained_run)], input=b"seven\n\neight\nn\xffne\nten\n")
+    assert result.exit_code == 1 and result.stderr.strip() == (
+        "error: standard input, line 4: not UTF-8 text (byte 2); convert it first, e.g. iconv -t UTF-8")
+    assert result.stdout.splitlines() == runner.invoke(app, ["generate", str(trained_run), "seven", "", "eight"]
+                                                       ).stdout.splitlines()
 
 
 def test_generate_answers_a_program_line_by_line_over_a_pipe(trained_run):

@@ -363,12 +363,19 @@ def json_lines(lines, default_prefix: str | None, vocab: Vocabulary):
 
 
 def _chunks(items: Iterable, size: int, waiting: Callable[[], bool] | None = None) -> Iterator[list]:
-    """Lists of up to ``size`` items; a shorter one where ``waiting()`` says the next item has yet to come."""
+    """Lists of up to ``size`` items; a shorter one where ``waiting()`` says the next item has yet to come.
+    An input line that cannot be read ends the lists after the items before it (so that generate's output
+    holds a line for each input line up to the one the error names)."""
     chunk = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) >= size or (waiting is not None and waiting()):
+    try:
+        for item in items:
+            chunk.append(item)
+            if len(chunk) >= size or (waiting is not None and waiting()):
+                yield chunk
+                chunk = []
+    except UsageError:
+        if chunk:
             yield chunk
-            chunk = []
+        raise
     if chunk:
         yield chunk
