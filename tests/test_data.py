@@ -11,8 +11,8 @@ from tformer_cli.batching import collate, token_batches
 from tformer_cli.config import DataConfig
 from tformer_cli.data import load_pairs
 from tformer_cli.encoding import (
-    cached_vocabulary, data_fingerprint, encode_split, encodings_cached, load_encoded, resegment,
-    train_or_load_vocabulary)
+    EncodedSplit, cached_vocabulary, data_fingerprint, encode_split, encodings_cached, joined, load_encoded, resegment,
+    split_counts, split_from_tensors, split_tensors, train_or_load_vocabulary)
 from tformer_cli.errors import DataError
 from tformer_cli.preparing import prepare_apart
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
@@ -403,6 +403,23 @@ def test_resegment_draws_a_new_segmentation_of_the_same_pairs_and_keeps_the_cach
     assert noisy.pairs == plain.pairs and noisy.src != plain.src
     assert sum(map(len, noisy.tgt)) > sum(map(len, plain.tgt))
     assert data_fingerprint(cfg, "train") == data_fingerprint(DataConfig(), "train")  # same vocabulary and cache
+    shares = [resegment(plain, vocab, cfg, (i, 3)) for i in range(3)]  # three processes' shares of a draw
+    assert [len(share) for share in shares] == [len(plain) * (i + 1) // 3 - len(plain) * i // 3 for i in range(3)]
+    assert joined(shares).pairs == plain.pairs and len(joined(shares).src) == len(plain)
+
+
+def test_a_split_joined_from_parts_is_the_split_also_where_a_part_is_empty():
+    """``joined`` of parts, also as ``split_from_tensors`` gives them back (an empty part's tensors hold a
+    byte that stands for no text): the split those parts were cut from."""
+    whole = EncodedSplit([[5, 2], [6, 7, 2], [8, 2]], [[1, 9, 2], [1, 2], [1, 3, 3, 2]],
+                         [("a", "b"), ("cé", "d"), ("e", "f")], dropped_empty=1, dropped_long=2, truncated=1)
+    parts = [EncodedSplit([], [], [], dropped_empty=1), EncodedSplit([[5, 2], [6, 7, 2]], [[1, 9, 2], [1, 2]],
+                                                                      [("a", "b"), ("cé", "d")], dropped_long=2),
+             EncodedSplit([], [], []), EncodedSplit([[8, 2]], [[1, 3, 3, 2]], [("e", "f")], truncated=1)]
+    assert joined(parts) == whole and joined(parts).pairs.data.numel() == whole.pairs.data.numel()
+    sent = [split_from_tensors(split_tensors(p), split_counts(p)) for p in parts]
+    assert joined(sent) == whole and joined(sent).pairs.data.numel() == whole.pairs.data.numel()
+    assert list(joined(sent).pairs) == list(whole.pairs)
 
 
 def test_token_batches_respect_max_tokens_and_cover_every_example_once():

@@ -280,8 +280,8 @@ def test_two_processes_train_packed_rows_as_one_process_accumulating_two_batches
 
 @pytest.mark.slow
 def test_two_processes_train_with_bpe_dropout_and_resume_on_one(tmp_path):
-    """Over gloo, rank 0 hands each epoch's segmentation to the other process (which takes it instead of
-    drawing: test_train's test of the hand-over), their checkpoints keep it, and one process resumes."""
+    """Over gloo, each process draws its share of each epoch's segmentation and both train on the shares
+    joined (test_train's test of the hand-over), their checkpoints keep it, and one process resumes."""
     config = write_config(tmp_path / "b.yaml", model={"dropout": 0.0}, data={"bpe_dropout": 0.3, "max_samples": 400},
                           train={"max_steps": None, "epochs": 3, "save_every": 2, "eval_every": 1000})
     run = tmp_path / "run"
@@ -339,34 +339,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _hand_over_a_split(rank: int, port: int, folder) -> None:
-    """In a process of two: rank 0's split, sent by BPE-dropout's hand-over, saved by each process."""
+def _join_the_shares(rank: int, port: int, folder) -> None:
+    """In a process of two: each one's share of a BPE-dropout draw, joined, saved by each process."""
     import torch.distributed as dist
 
     from tformer_cli.encoding import EncodedSplit, save_encoded
     from tformer_cli.parallel import Workers
-    from tformer_cli.segmentation import _from_main
+    from tformer_cli.segmentation import _shares_joined
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        split = EncodedSplit([[5, 9, 2], [7, 2]], [[1, 6, 2], [1, 8, 8, 2]], [("a b", "c"), ("d", "é f")],
-                             dropped_empty=1, dropped_long=2, truncated=3) if rank == 0 else None
-        save_encoded(_from_main(Workers(rank, 2, rank, grouped=True), split), folder / f"rank-{rank}.safetensors")
+        share = EncodedSplit([[5, 9, 2], [7, 2]], [[1, 6, 2], [1, 8, 8, 2]], [("a b", "c"), ("d", "é f")],
+                             dropped_empty=1, dropped_long=2, truncated=3) if rank == 0 else \
+            EncodedSplit([[4, 2]], [[1, 3, 2]], [("g", "h")], dropped_long=1)
+        save_encoded(_shares_joined(Workers(rank, 2, rank, grouped=True), share), folder / f"rank-{rank}.safetensors")
     finally:
         dist.destroy_process_group()
 
 
-def test_bpe_dropouts_hand_over_gives_the_other_process_rank_0s_split_whole(tmp_path):
-    """Each epoch's segmentation goes from rank 0 to the others as tensors, not pickled: the other
-    process ends with the same ids, texts and counts."""
+def test_bpe_dropouts_shares_reach_every_process_joined_in_order(tmp_path):
+    """Each process's share of an epoch's segmentation goes to the others as tensors, not pickled: both
+    processes end with the same ids, texts and counts, rank 0's pairs first."""
     from tformer_cli.encoding import read_encoded, split_counts
 
-    torch.multiprocessing.spawn(_hand_over_a_split, args=(_free_port(), tmp_path), nprocs=2)
+    torch.multiprocessing.spawn(_join_the_shares, args=(_free_port(), tmp_path), nprocs=2)
     ours, theirs = (read_encoded(tmp_path / f"rank-{rank}.safetensors") for rank in (0, 1))
-    assert theirs == ours and split_counts(theirs) == split_counts(ours) == {
-        "dropped_empty": 1, "dropped_long": 2, "truncated": 3}
-    assert theirs.pairs[1] == ("d", "é f")
+    assert theirs == ours and split_counts(theirs) == {"dropped_empty": 1, "dropped_long": 3, "truncated": 3}
+    assert list(ours.pairs) == [("a b", "c"), ("d", "é f"), ("g", "h")]
+    assert list(ours.src) == [[5, 9, 2], [7, 2], [4, 2]] and list(ours.tgt) == [[1, 6, 2], [1, 8, 8, 2], [1, 3, 2]]
 
 
 @pytest.mark.parametrize("engine, victim", [("ddp", 1), pytest.param("ddp", 0, marks=pytest.mark.slow),

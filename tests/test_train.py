@@ -536,27 +536,31 @@ def test_a_checkpoint_without_its_bpe_dropout_segmentation_resumes_with_a_warnin
         "the run will not match one that was never stopped"]
 
 
-def test_under_bpe_dropout_every_process_trains_on_rank_0s_draw(tmp_path, monkeypatch):
-    """The other processes take rank 0's segmentation, its tensors sent as they are
-    (``Workers.tensors_from_main``; test_parallel sends them between two processes); none draws its own."""
+def test_under_bpe_dropout_each_process_draws_its_share_and_all_train_on_the_shares_joined(tmp_path, monkeypatch):
+    """Of two processes, the second draws the second half of the pairs and trains on both halves, in
+    order: its own and rank 0's, whose tensors reach it as they are (``Workers.tensors_from_each``;
+    test_parallel sends them between two processes)."""
     import tformer_cli.segmentation as segmentation
     from tformer_cli.encoding import EncodedSplit, split_counts, split_tensors
 
     rank_0s = EncodedSplit([[5, 2]], [[1, 6, 2]], [("a", "b")], dropped_long=3)
+    ours = EncodedSplit([[7, 8, 2]], [[1, 9, 2]], [("c d", "e")], truncated=1)
+    shares = []
 
-    class Rank1(Workers):  # what reaches it from rank 0: the split's counts, then copies of its tensors
-        def from_main(self, value):
-            assert value is None
-            return split_counts(rank_0s)
+    class Rank1(Workers):  # what reaches it: each process's counts, then copies of each one's tensors
+        def gather(self, value):
+            assert value == split_counts(ours)
+            return [split_counts(rank_0s), value]
 
-        def tensors_from_main(self, tensors):
-            assert tensors is None
-            return {name: tensor.clone() for name, tensor in split_tensors(rank_0s).items()}
+        def tensors_from_each(self, tensors):
+            return [{name: t.clone() for name, t in split_tensors(rank_0s).items()}, tensors]
 
-    monkeypatch.setattr(segmentation, "resegment", lambda *args: pytest.fail("a process other than rank 0 drew"))
+    monkeypatch.setattr(segmentation, "resegment", lambda data, vocab, cfg, share: shares.append(share) or ours)
     drawn = segmentation.Segmentations(None, None, None, Rank1(1, 2), ahead=True)
     for epoch in (0, 1):
-        assert drawn.of_epoch(epoch).split == rank_0s
+        assert drawn.of_epoch(epoch).split == EncodedSplit([[5, 2], [7, 8, 2]], [[1, 6, 2], [1, 9, 2]],
+                                                           [("a", "b"), ("c d", "e")], dropped_long=3, truncated=1)
+    assert shares == [(1, 2)] * 3  # epochs 0 and 1, and epoch 2's drawn ahead
 
 
 @pytest.mark.parametrize("fails", [False, True])

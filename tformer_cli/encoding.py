@@ -115,9 +115,21 @@ def encode_split(pairs: Sequence[tuple[str, str]], vocab: Vocabulary, cfg: DataC
     return out
 
 
-def resegment(split: EncodedSplit, vocab: Vocabulary, cfg: DataConfig) -> EncodedSplit:
-    """The split's pairs segmented afresh with BPE-dropout ``cfg.bpe_dropout`` (one epoch's worth)."""
-    return encode_split(split.pairs, vocab.with_dropout(cfg.bpe_dropout), cfg, DRAW_CHUNK)
+def resegment(split: EncodedSplit, vocab: Vocabulary, cfg: DataConfig, share: tuple[int, int] = (0, 1)) -> EncodedSplit:
+    """The split's pairs segmented afresh with BPE-dropout ``cfg.bpe_dropout`` (one epoch's worth);
+    ``share`` (i, n): the i-th of n contiguous shares of them alone, which the i-th of n processes draws
+    (``joined`` puts the shares back together)."""
+    i, n = share
+    size = len(split.pairs)
+    pairs = split.pairs if n == 1 else _PairRange(split.pairs, size * i // n, size * (i + 1) // n)
+    return encode_split(pairs, vocab.with_dropout(cfg.bpe_dropout), cfg, DRAW_CHUNK)
+
+
+def joined(parts: list[EncodedSplit]) -> EncodedSplit:
+    """Parts of a split, each of a contiguous range of its pairs, in order: the split."""
+    return EncodedSplit(Sequences.concat([p.src for p in parts]), Sequences.concat([p.tgt for p in parts]),
+                        TextPairs.concat([p.pairs for p in parts]),
+                        **{name: sum(getattr(p, name) for p in parts) for name in _ENCODED_COUNTS})
 
 
 def _encoded_path(cfg: DataConfig, split: str, vocab: Vocabulary) -> Path:
@@ -182,10 +194,7 @@ def _encode_in_workers(cfg: DataConfig, split: str, vocab: Vocabulary, size: int
             for done in [pool.submit(_encode_part, cfg, split, vocab, a, b, p)
                          for a, b, p in zip(bounds, bounds[1:], paths)]:
                 done.result()  # a worker's DataError is raised here
-        parts = [read_encoded(p) for p in paths]
-        return EncodedSplit(Sequences.concat([p.src for p in parts]), Sequences.concat([p.tgt for p in parts]),
-                            TextPairs.concat([p.pairs for p in parts]),
-                            **{name: sum(getattr(p, name) for p in parts) for name in _ENCODED_COUNTS})
+        return joined([read_encoded(p) for p in paths])
 
 
 def _encoding_worker(threads: int) -> None:
@@ -277,7 +286,8 @@ def split_from_tensors(tensors: dict[str, torch.Tensor], counts: dict[str, int],
     """The split that ``split_tensors`` gave ``tensors`` of, with its counts of dropped and truncated pairs."""
     return EncodedSplit(Sequences(tensors["src_ids"], tensors["src_offsets"]),
                         Sequences(tensors["tgt_ids"], tensors["tgt_offsets"]),
-                        TextPairs(tensors["text_bytes"], tensors["text_offsets"]), **counts, checksum=checksum)
+                        TextPairs(tensors["text_bytes"][:int(tensors["text_offsets"][-1])], tensors["text_offsets"]),
+                        **counts, checksum=checksum)  # without the byte that stands for no text (split_tensors)
 
 
 def split_counts(split: EncodedSplit) -> dict[str, int]:

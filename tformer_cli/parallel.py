@@ -86,19 +86,20 @@ class Workers:
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def tensors_from_main(self, tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """Rank 0's ``tensors`` (on the CPU, by name), on every process: sent as they are, where
-        ``from_main`` would pickle them (a WMT-sized split of ~2.4 GB: seconds, not tens of seconds)."""
+    def tensors_from_each(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Every process's ``tensors`` (on the CPU, by name), in rank order, on every process: sent as
+        they are, where ``gather`` would pickle them (a WMT-sized split of ~2.4 GB: seconds, not tens of
+        seconds)."""
         if not self.grouped:
-            return tensors
-        layout = self.from_main({name: (t.shape, t.dtype) for name, t in tensors.items()} if self.main else None)
-        if self.main:
-            received = {name: t.contiguous() for name, t in tensors.items()}
-        else:
-            received = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
+            return [tensors]
+        layouts = self.gather({name: (t.shape, t.dtype) for name, t in tensors.items()})
+        received = [{name: t.contiguous() for name, t in tensors.items()} if rank == self.rank else
+                    {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in layout.items()}
+                    for rank, layout in enumerate(layouts)]
         with self.together():
-            for tensor in received.values():
-                dist.broadcast(tensor, src=0)
+            for rank, part in enumerate(received):
+                for tensor in part.values():
+                    dist.broadcast(tensor, src=rank)
         return received
 
     def gather(self, value: Any) -> list[Any]:

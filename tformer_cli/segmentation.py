@@ -3,9 +3,9 @@
 tokenizers draws the merges it drops from a generator that no seed reaches, so an epoch's segmentation
 cannot be drawn twice alike. It is kept instead: in each checkpoint made during the epoch (one file,
 hard-linked from checkpoint to checkpoint), and a resumed run goes on over the segmentation it stopped
-in, as a run never stopped would. With several processes rank 0 draws and the others take its draw.
-Training on a GPU, the next epoch's segmentation is drawn on the host while this epoch trains, so that
-the device does not wait for it at the epoch's end.
+in, as a run never stopped would. With several processes each draws a share of the pairs and all take
+the shares joined. Training on a GPU, the next epoch's segmentation is drawn on the host while this
+epoch trains, so that the device does not wait for it at the epoch's end.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from tformer_cli.config import DataConfig
 from tformer_cli.encoding import (
-    EncodedSplit, read_encoded, resegment, save_encoded, split_counts, split_from_tensors, split_tensors)
+    EncodedSplit, joined, read_encoded, resegment, save_encoded, split_counts, split_from_tensors, split_tensors)
 from tformer_cli.errors import CheckpointError
 from tformer_cli.parallel import Workers
 from tformer_cli.run_folder import SEGMENTATION
@@ -70,11 +70,13 @@ def read_segmentation(checkpoint: Path, epoch: int) -> Segmentation | None:
 
 class Segmentations:
     """Each epoch's segmentation of ``train_data``, in turn, the same on every process: ``resumed``,
-    a checkpoint's, serves its own epoch; ``ahead``: each draw starts as the epoch before it begins."""
+    a checkpoint's, serves its own epoch; ``ahead``: each draw starts as the epoch before it begins.
+    Each process draws its share of the pairs (one draw of a WMT-sized split holds ~30 s of Python)."""
 
     def __init__(self, train_data: EncodedSplit, vocab: Vocabulary, cfg: DataConfig, workers: Workers,
                  ahead: bool, resumed: Segmentation | None = None) -> None:
-        self._draw: Callable[[], EncodedSplit] = lambda: resegment(train_data, vocab, cfg)
+        share = (workers.rank, workers.size)
+        self._draw: Callable[[], EncodedSplit] = lambda: resegment(train_data, vocab, cfg, share)
         self._workers, self._ahead, self._resumed = workers, ahead, resumed
         self._drawing: _Drawing | None = None
 
@@ -82,21 +84,22 @@ class Segmentations:
         if self._resumed is not None and self._resumed.epoch == epoch:
             found, self._resumed = self._resumed, None
         else:
-            split = None
-            if self._workers.main:
-                split = self._drawing.result() if self._drawing is not None else self._draw()
-            found = Segmentation(epoch, _from_main(self._workers, split))
-        if self._ahead and self._workers.main:
+            share = self._drawing.result() if self._drawing is not None else self._draw()
+            found = Segmentation(epoch, _shares_joined(self._workers, share))
+        if self._ahead:
             self._drawing = _Drawing(self._draw)
         return found
 
 
-def _from_main(workers: Workers, split: EncodedSplit | None) -> EncodedSplit:
-    """Rank 0's ``split`` on every process, its tensors sent as they are: pickled, a split of a million
-    pairs took 2.2-5.2 s between two processes on 2 cores, sent as tensors 0.27-0.30 s (benchmarks/README.md)."""
-    counts = workers.from_main(split_counts(split) if workers.main else None)
-    tensors = workers.tensors_from_main(split_tensors(split) if workers.main else None)
-    return split if workers.main else split_from_tensors(tensors, counts)
+def _shares_joined(workers: Workers, share: EncodedSplit) -> EncodedSplit:
+    """Every process's ``share`` of a draw, joined in rank order (the split's order) on every process.
+    The tensors are sent as they are: pickled, a split of a million pairs took 2.2-5.2 s between two
+    processes on 2 cores, as tensors 0.27-0.30 s (benchmarks/README.md)."""
+    if workers.size == 1:
+        return share
+    counts = workers.gather(split_counts(share))
+    tensors = workers.tensors_from_each(split_tensors(share))
+    return joined([split_from_tensors(t, c) for t, c in zip(tensors, counts)])
 
 
 class _Drawing:
