@@ -119,9 +119,8 @@ def resegment(split: EncodedSplit, vocab: Vocabulary, cfg: DataConfig, share: tu
     """The split's pairs segmented afresh with BPE-dropout ``cfg.bpe_dropout`` (one epoch's worth);
     ``share`` (i, n): the i-th of n contiguous shares of them alone, which the i-th of n processes draws
     (``joined`` puts the shares back together)."""
-    i, n = share
-    size = len(split.pairs)
-    pairs = split.pairs if n == 1 else _PairRange(split.pairs, size * i // n, size * (i + 1) // n)
+    (i, n), size = share, len(split.pairs)
+    pairs = _PairRange(split.pairs, size * i // n, size * (i + 1) // n)
     return encode_split(pairs, vocab.with_dropout(cfg.bpe_dropout), cfg, DRAW_CHUNK)
 
 

@@ -71,7 +71,7 @@ def read_segmentation(checkpoint: Path, epoch: int) -> Segmentation | None:
 class Segmentations:
     """Each epoch's segmentation of ``train_data``, in turn, the same on every process: ``resumed``,
     a checkpoint's, serves its own epoch; ``ahead``: each draw starts as the epoch before it begins.
-    Each process draws its share of the pairs (one draw of a WMT-sized split holds ~30 s of Python)."""
+    Each process draws its share of the pairs (one draw of a WMT-sized split holds ~33 s of Python)."""
 
     def __init__(self, train_data: EncodedSplit, vocab: Vocabulary, cfg: DataConfig, workers: Workers,
                  ahead: bool, resumed: Segmentation | None = None) -> None:
