@@ -541,19 +541,15 @@ def test_under_bpe_dropout_each_process_draws_its_share_and_all_train_on_the_sha
     order: its own and rank 0's, whose tensors reach it as they are (``Workers.tensors_from_each``;
     test_parallel sends them between two processes)."""
     import tformer_cli.segmentation as segmentation
-    from tformer_cli.encoding import EncodedSplit, split_counts, split_tensors
+    from tformer_cli.encoding import EncodedSplit
 
     rank_0s = EncodedSplit([[5, 2]], [[1, 6, 2]], [("a", "b")], dropped_long=3)
     ours = EncodedSplit([[7, 8, 2]], [[1, 9, 2]], [("c d", "e")], truncated=1)
     shares = []
 
-    class Rank1(Workers):  # what reaches it: each process's counts, then copies of each one's tensors
-        def gather(self, value):
-            assert value == split_counts(ours)
-            return [split_counts(rank_0s), value]
-
+    class Rank1(Workers):  # what reaches it: copies of each process's tensors, counts and all
         def tensors_from_each(self, tensors):
-            return [{name: t.clone() for name, t in split_tensors(rank_0s).items()}, tensors]
+            return [{name: t.clone() for name, t in segmentation._share_tensors(rank_0s).items()}, tensors]
 
     monkeypatch.setattr(segmentation, "resegment", lambda data, vocab, cfg, share: shares.append(share) or ours)
     drawn = segmentation.Segmentations(None, None, None, Rank1(1, 2), ahead=True)

@@ -128,7 +128,7 @@ def joined(parts: list[EncodedSplit]) -> EncodedSplit:
     """Parts of a split, each of a contiguous range of its pairs, in order: the split."""
     return EncodedSplit(Sequences.concat([p.src for p in parts]), Sequences.concat([p.tgt for p in parts]),
                         TextPairs.concat([p.pairs for p in parts]),
-                        **{name: sum(getattr(p, name) for p in parts) for name in _ENCODED_COUNTS})
+                        **{name: sum(getattr(p, name) for p in parts) for name in ENCODED_COUNTS})
 
 
 def _encoded_path(cfg: DataConfig, split: str, vocab: Vocabulary) -> Path:
@@ -224,7 +224,7 @@ class _PairRange:
 # A cache entry is data, never code: token ids and texts as safetensors tensors, counts in its metadata,
 # and a checksum over all of them, so that a damaged or planted entry is rebuilt rather than believed.
 _ENCODED_TENSORS = ("src_ids", "src_offsets", "tgt_ids", "tgt_offsets", "text_bytes", "text_offsets")
-_ENCODED_COUNTS = ("dropped_empty", "dropped_long", "truncated")
+ENCODED_COUNTS = ("dropped_empty", "dropped_long", "truncated")
 _ENCODED_DTYPES = {"src_ids": torch.int32, "tgt_ids": torch.int32, "text_bytes": torch.uint8}
 
 
@@ -274,7 +274,7 @@ def read_encoded(path: Path) -> EncodedSplit:
                 or ends.numel() == 0 or ends[0] != 0 or bool((ends.diff() < 0).any())
                 or ends[-1] > tensors[values].numel()):
             raise ValueError(f"its {values} are malformed")
-    split = split_from_tensors(tensors, {name: int(metadata[name]) for name in _ENCODED_COUNTS}, metadata["sha256"])
+    split = split_from_tensors(tensors, {name: int(metadata[name]) for name in ENCODED_COUNTS}, metadata["sha256"])
     if len(split.tgt) != len(split) or len(split.pairs) != len(split) or split.pairs.offsets.numel() % 2 == 0:
         raise ValueError("its parts differ in length")
     return split
@@ -291,7 +291,7 @@ def split_from_tensors(tensors: dict[str, torch.Tensor], counts: dict[str, int],
 
 def split_counts(split: EncodedSplit) -> dict[str, int]:
     """The split's counts of pairs dropped (empty, too long) and truncated."""
-    return {name: getattr(split, name) for name in _ENCODED_COUNTS}
+    return {name: getattr(split, name) for name in ENCODED_COUNTS}
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:

@@ -20,7 +20,8 @@ import torch
 
 from tformer_cli.config import DataConfig
 from tformer_cli.encoding import (
-    EncodedSplit, joined, read_encoded, resegment, save_encoded, split_counts, split_from_tensors, split_tensors)
+    ENCODED_COUNTS, EncodedSplit, joined, read_encoded, resegment, save_encoded, split_counts, split_from_tensors,
+    split_tensors)
 from tformer_cli.errors import CheckpointError
 from tformer_cli.parallel import Workers
 from tformer_cli.run_folder import SEGMENTATION
@@ -97,9 +98,16 @@ def _shares_joined(workers: Workers, share: EncodedSplit) -> EncodedSplit:
     processes on 2 cores, as tensors 0.27-0.30 s (benchmarks/README.md)."""
     if workers.size == 1:
         return share
-    counts = workers.gather(split_counts(share))
-    tensors = workers.tensors_from_each(split_tensors(share))
-    return joined([split_from_tensors(t, c) for t, c in zip(tensors, counts)])
+    return joined([_share_from_tensors(part) for part in workers.tensors_from_each(_share_tensors(share))])
+
+
+def _share_tensors(share: EncodedSplit) -> dict[str, torch.Tensor]:
+    """A share as the tensors that carry it to the other processes, its counts among them."""
+    return {**split_tensors(share), "counts": torch.tensor(list(split_counts(share).values()))}
+
+
+def _share_from_tensors(tensors: dict[str, torch.Tensor]) -> EncodedSplit:
+    return split_from_tensors(tensors, dict(zip(ENCODED_COUNTS, tensors["counts"].tolist())))
 
 
 class _Drawing:
