@@ -55,7 +55,7 @@ class ErrorBoundary(TyperGroup):
         except OSError as exc:  # a file the user named cannot be read or written: no traceback for that
             if exc.filename is None or ctx.params.get("debug"):
                 raise
-            _say(f"{exc.filename}: {exc.strerror}")
+            _say(f"{exc.filename}: {_os_reason(exc)}")
             raise typer.Exit(1) from None
         except KeyboardInterrupt as exc:
             # a signal while an error unwinds (a launcher stopping the others once one failed): the error says why
@@ -80,6 +80,14 @@ class ErrorBoundary(TyperGroup):
         if not (isinstance(exc, (ConfigError, UsageError)) and os.environ.get("LOCAL_RANK", "0") != "0"):
             _say(str(exc))
         raise typer.Exit(1) from None
+
+
+def _os_reason(exc: OSError) -> str:
+    """What the OS refused, in words that say what to do where its own do not: a file in the way of a
+    folder that a command makes (``--output x/y`` where ``x`` is a file) is "File exists" to the OS."""
+    if isinstance(exc, (FileExistsError, NotADirectoryError)) and os.path.isfile(exc.filename):
+        return "a file, where a folder is needed; move it or pick another path"
+    return exc.strerror
 
 
 def _say(message: str) -> None:
