@@ -31,12 +31,14 @@
 #         device call lasts at most 10 minutes, and 10 minutes of training with the start-up does not fit
 #
 # The next lease (15 minutes of device time, each call at most 10; issue 34's open targets first).
-# Carry .whl and .compile-cache; each call begins: python3 -m pip install -q --no-index --no-deps
+# Both are git-ignored, so a new checkout has neither: make .whl with `bash benchmarks/gpu_wheels.sh`
+# (2 s), and without .compile-cache the first call compiles cold. Carry .whl and .compile-cache
+# (once it exists); each call begins: python3 -m pip install -q --no-index --no-deps
 # --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site RESULTS=$OUT/r
 # COMPILE_CACHE_SAVE=$OUT, and after it the returned inductor.tgz.* replace .compile-cache's. Each
 # variant compiled cold costs ~100 s on an H200 (the fifth lease's one graph: 97.6 s), so a call holds
 # about four:
-#   1. base MFU 0.40 (~5 min: compiled from the cache, packed and packed with the bf16 stream cold):
+#   1. base MFU 0.40 (~5 min: compiled from a cache, or ~7 cold; packed and packed with the bf16 stream cold):
 #      PROFILE_ARGS="--no-decode --baselines compiled,compiled-packed --experiments-compile packed
 #      --bf16-stream" gpu.sh profile
 #   2. decoding (~3 min), then what time is left: SIZES=base gpu.sh paper-decode tests
