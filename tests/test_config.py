@@ -88,7 +88,18 @@ def test_all_mistakes_are_reported_together(tmp_path):
     assert f"{bad}: model.num_head: unknown key; did you mean 'num_heads'?" in lines
     choices = "'noam', 'inverse_sqrt', 'cosine', 'constant'"
     assert f"{bad}: train.schedule: must be one of {choices}, got 'cosin'; did you mean 'cosine'?" in lines
-    # the type errors stop before value checks, then values are checked once types are right
+    # values are checked beside wrong types and unknown keys, except by checks that name such a key: the
+    # key meant (num_heads, at its default 8) or the one of the wrong type (d_model, at its default 512)
+    assert f"{bad}: train.lr: must be > 0, got -1.0" in lines
+    assert not [line for line in lines if "num_heads" in line and "unknown key" not in line]
+    bad.write_text("model:\n  d_model: abc\n  num_heads: 7\ntrain:\n  lr: -1\n  max_tokens: 2\ndata:\n"
+                   "  max_length: x\n")
+    assert _mistakes(bad) == [f"{bad}: model.d_model: expected an integer, got 'abc'",
+                              f"{bad}: data.max_length: expected an integer, got 'x'",
+                              f"{bad}: train.lr: must be > 0, got -1.0"]
+    bad.write_text("model: 5\ntrain:\n  lr: -1\n")
+    assert _mistakes(bad) == [f"{bad}: model: expected a mapping of keys, got int",
+                              f"{bad}: train.lr: must be > 0, got -1.0"]
     bad.write_text("model:\n  d_model: 500\n  word_dropout: -0.1\ndata:\n  bpe_dropout: 1\n"
                    "train:\n  lr: -1\n  rdrop: -0.5\n  ema_decay: 1\ndecode:\n  length_penalty: -1\n")
     with pytest.raises(ConfigError) as info:

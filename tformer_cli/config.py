@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -227,11 +228,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         source = str(path)
     errors: list[str] = []
     overridden = {apply_override(raw, item, errors) for item in overrides or []} - {None} - set(flags or {})
-    sections = build_sections(raw, SECTIONS, errors)
-    config = None
-    if sections is not None:
-        config = Config(**sections, name=Path(path).stem if path is not None else "config")
-        errors += validate(config)
+    sections, wrong = build_sections(raw, SECTIONS, errors)
+    config = Config(**sections, name=Path(path).stem if path is not None else "config")
+    # Values are checked beside wrong types too, so that every mistake is reported at once; a check that
+    # names a key of the wrong type (now at its default, d_model 512 say) would mislead, and is left out
+    named = [re.compile(rf"\b{re.escape(key.rpartition('.')[2])}\b") for key in wrong]
+    errors += [e for e in validate(config) if not any(key.search(e) for key in named)]
     if errors:
         lines = (origin(e, overridden, source, flags or {}) for e in errors)
         raise ConfigError("\n".join(dict.fromkeys(lines)))  # --layers 0 is two mistakes, said once

@@ -124,10 +124,14 @@ def origin(error: str, overridden: set[str], source: str, flags: dict[str, str])
     return f"--set {error}" if any(key == o or key.startswith(o + ".") for o in overridden) else f"{source}: {error}"
 
 
-def build_sections(raw: dict[str, Any], sections: dict[str, type], errors: list[str]) -> dict[str, Any] | None:
-    """One dataclass instance per section of ``sections`` (defaults where ``raw`` lacks it), or None
-    after recording every unknown section or key and every value of the wrong type in ``errors``."""
+def build_sections(raw: dict[str, Any], sections: dict[str, type],
+                   errors: list[str]) -> tuple[dict[str, Any], set[str]]:
+    """One dataclass instance per section of ``sections`` (defaults where ``raw`` lacks it), after
+    recording every unknown section or key and every value of the wrong type in ``errors``. Returns the
+    sections, a wrong value left at its default, and the keys (``model.d_model``) whose values were wrong
+    or misspelt, so that the values' own checks can still run on the rest."""
     built: dict[str, Any] = {}
+    wrong: set[str] = set()
     for name, value in raw.items():
         if name not in sections:
             errors.append(f"unknown section {_quoted(name)}{_suggest(name, sections)} (sections: {', '.join(sections)})")
@@ -136,24 +140,25 @@ def build_sections(raw: dict[str, Any], sections: dict[str, type], errors: list[
             value = {}
         if not isinstance(value, dict):
             errors.append(f"{name}: expected a mapping of keys, got {type(value).__name__}")
+            wrong |= {f"{name}.{f.name}" for f in dataclasses.fields(sections[name])}
             continue
-        built[name] = _build_section(name, sections[name], value, errors)
-    if errors:
-        return None
-    return {name: built.get(name, cls()) for name, cls in sections.items()}
+        built[name] = _build_section(name, sections[name], value, errors, wrong)
+    return {name: built.get(name, cls()) for name, cls in sections.items()}, wrong
 
 
-def _build_section(name: str, cls: type, values: dict[str, Any], errors: list[str]) -> Any:
+def _build_section(name: str, cls: type, values: dict[str, Any], errors: list[str], wrong: set[str]) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
             errors.append(f"{name}.{_shown(key)}: unknown key{_suggest(key, fields)}")
+            wrong.update(f"{name}.{meant}" for meant in difflib.get_close_matches(str(key), list(fields), n=1))
             continue
         problem, value = check_type(value, hints[key])
         if problem:
             errors.append(f"{name}.{key}: {problem}")
+            wrong.add(f"{name}.{key}")
             continue
         kwargs[key] = value
     return cls(**kwargs)
