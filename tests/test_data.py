@@ -9,7 +9,7 @@ import torch
 
 from tformer_cli.batching import collate, token_batches
 from tformer_cli.config import DataConfig
-from tformer_cli.data import load_pairs
+from tformer_cli.data import absolute_paths, load_pairs
 from tformer_cli.encoding import (
     EncodedSplit, cached_vocabulary, data_fingerprint, encode_split, encodings_cached, joined, load_encoded, resegment,
     split_counts, split_from_tensors, split_tensors, train_or_load_vocabulary)
@@ -62,6 +62,29 @@ def test_jsonl_csv_parquet_and_gzip_give_the_same_pairs(tmp_path):
     for name in ("train.jsonl", "train.csv", "train.parquet", "train.jsonl.gz"):
         cfg = DataConfig(data_files={"train": str(tmp_path / name)}, source="de", target="en")
         assert load_pairs(cfg, "train") == expected, name
+
+
+def test_glob_patterns_read_the_files_they_match_in_order_and_the_run_records_them(tmp_path, monkeypatch):
+    shards = tmp_path / "shards"
+    (shards / "more").mkdir(parents=True)
+    for i, name in enumerate(["train-10.jsonl", "train-02.jsonl", "more/train-03.jsonl"]):  # written out of order
+        _jsonl(shards / name, ROWS[4 * i:4 * i + 4])
+    (shards / "train-99.jsonl").mkdir()  # a folder that matches is not a file to read
+    monkeypatch.chdir(tmp_path)
+    in_order = [ROWS[4:8], ROWS[0:4]]  # train-02, then train-10
+    for pattern, rows in [("shards/train-*.jsonl", in_order), (["shards/**/train-03.jsonl", "shards/train-1?.jsonl"],
+                                                               [ROWS[8:12], ROWS[0:4]])]:
+        cfg = DataConfig(data_files={"train": pattern}, source="de", target="en")
+        assert load_pairs(cfg, "train") == [(r["de"], r["en"]) for part in rows for r in part]
+        assert data_fingerprint(cfg, "train") != data_fingerprint(replace(cfg, data_files={"train": "shards/x*"}), "train")
+    cfg = absolute_paths(DataConfig(data_files={"train": "shards/train-*.jsonl", "test": "shards/train-02.jsonl"}))
+    assert cfg.data_files == {"train": [str(shards / "train-02.jsonl"), str(shards / "train-10.jsonl")],
+                              "test": str(shards / "train-02.jsonl")}  # a run's config.yaml names what it read
+    (tmp_path / "[draft].jsonl").write_text(json.dumps(ROWS[0]) + "\n")  # a file's own name, brackets and all
+    assert load_pairs(DataConfig(data_files={"train": "[draft].jsonl"}, source="de", target="en"), "train") == [
+        (ROWS[0]["de"], ROWS[0]["en"])]
+    with pytest.raises(DataError, match=r"^no data file matches shards/nothing-\*.jsonl; fix data.data_files"):
+        load_pairs(DataConfig(data_files={"train": ["shards/train-02.jsonl", "shards/nothing-*.jsonl"]}), "train")
 
 
 def test_a_file_rewritten_with_the_same_time_of_change_is_read_again(tmp_path):

@@ -63,7 +63,7 @@ class DataConfig:
 
     dataset: Optional[str] = "bentrevett/multi30k"  # hub id or local dataset folder
     subset: Optional[str] = None  # the dataset's subset (configuration) where it has several, e.g. wmt14's de-en
-    data_files: Optional[dict[str, Any]] = None  # split -> file(s); overrides `dataset`
+    data_files: Optional[dict[str, Any]] = None  # split -> file(s) or patterns (train-*.jsonl); overrides `dataset`
     # of data_files; tsv: source, tab, target a line (an `en<TAB>de` header optional); text: a [source, target]
     # pair of text files; auto: by extension, text for train.de + train.en
     format: Literal["auto", "json", "csv", "tsv", "parquet", "text"] = "auto"

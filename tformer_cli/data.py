@@ -8,8 +8,10 @@ tokenised and cached by ``encoding.py`` and batched by ``batching.py``.
 
 from __future__ import annotations
 
+import glob
 import gzip
 import hashlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -26,24 +28,45 @@ READ_CHUNK = 100_000  # pairs made Python strings at a time, so that a split of 
 
 def absolute_paths(cfg: DataConfig) -> DataConfig:
     """``cfg`` with the local dataset folder and data files that exist made absolute, so that a run
-    folder's config finds its data from any directory (``tformer eval runs/x`` run elsewhere); hub ids
-    and missing paths stay as written."""
+    folder's config finds its data from any directory (``tformer eval runs/x`` run elsewhere), and each
+    glob pattern of data files (``train-*.jsonl``, as ``datasets`` takes them) replaced by the files it
+    matches, sorted: the run records what it read. Hub ids and missing paths stay as written."""
     def absolute(path: Any) -> Any:
         if isinstance(path, list):
             return [absolute(p) for p in path]
         local = Path(path).expanduser() if isinstance(path, str) else None
         return str(local.resolve()) if local is not None and local.exists() else path
 
-    files = {split: absolute(f) for split, f in cfg.data_files.items()} if cfg.data_files else cfg.data_files
+    def matched(files: Any) -> Any:
+        if isinstance(files, str) and not _is_pattern(files):
+            return absolute(files)
+        return absolute(data_file_names(files))
+
+    files = {split: matched(f) for split, f in cfg.data_files.items()} if cfg.data_files else cfg.data_files
     return replace(cfg, dataset=absolute(cfg.dataset), data_files=files)
+
+
+def data_file_names(files: str | list[str]) -> list[str]:
+    """A split's data files as a list, each glob pattern (``train-*.jsonl``, ``shards/**/*.jsonl``)
+    replaced by the files it matches, sorted; a pattern that matches none stays, for the error that
+    names it."""
+    names = []
+    for name in [files] if isinstance(files, str) else files:
+        matches = glob.glob(os.path.expanduser(name), recursive=True) if _is_pattern(name) else []
+        names += sorted(f for f in matches if os.path.isfile(f)) or [name]
+    return names
+
+
+def _is_pattern(name: Any) -> bool:
+    """A glob pattern, not a file's own name (which may hold brackets)."""
+    return isinstance(name, str) and any(c in name for c in "*?[") and not Path(name).expanduser().exists()
 
 
 def local_sources(cfg: DataConfig) -> list[Path]:
     """The local data files, or the local dataset folder, that ``cfg``'s splits are read from (none
     for a hub dataset), resolved."""
     if cfg.data_files:
-        files = [[f] if isinstance(f, str) else f for f in cfg.data_files.values()]
-        return [Path(f).expanduser().resolve() for split in files for f in split]
+        return [Path(f).expanduser().resolve() for files in cfg.data_files.values() for f in data_file_names(files)]
     folder = Path(cfg.dataset).expanduser() if cfg.dataset else None
     return [folder.resolve()] if folder is not None and folder.is_dir() else []
 
@@ -68,8 +91,7 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
     if cfg.data_files:
         if split not in cfg.data_files:
             raise _missing_split("data.data_files", split, list(cfg.data_files), cfg)
-        files = cfg.data_files[split]
-        files = [files] if isinstance(files, str) else list(files)
+        files = data_file_names(cfg.data_files[split])
         _check_files(files)
         fmt = cfg.format if cfg.format != "auto" else _format_of(files)
     where = f"{', '.join(files) if cfg.data_files else cfg.dataset}: split '{split}'"
@@ -170,8 +192,8 @@ def not_a_data_file(path: Path | str) -> str | None:
 def _check_files(files: list[str]) -> None:
     for path in files:
         if not Path(path).exists():
-            raise DataError(f"data file not found: {path}; fix data.data_files (paths are relative to the "
-                            "current directory)")
+            what = "no data file matches" if _is_pattern(path) else "data file not found:"
+            raise DataError(f"{what} {path}; fix data.data_files (paths are relative to the current directory)")
         problem = not_a_data_file(path)
         if problem:
             folder = " in data.data_files, or set data.dataset to the folder" if Path(path).is_dir() else ""
@@ -188,7 +210,8 @@ def _load_files(fmt: str, files: list[str], **options: Any):
     failed: list[str] = []
     try:
         with _datasets_errors(failed):
-            return datasets.load_dataset(fmt, _version_name(files), data_files={"split": files}, split="split",
+            names = [glob.escape(f) for f in files]  # datasets reads each name as a pattern: [draft].jsonl is a file
+            return datasets.load_dataset(fmt, _version_name(files), data_files={"split": names}, split="split",
                                          **options)
     except Exception as exc:  # datasets raises many kinds for unreadable files, the cause chained inside
         cause = _root_cause(exc)

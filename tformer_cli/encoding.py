@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from tformer_cli.config import DataConfig
-from tformer_cli.data import file_versions, read_pairs
+from tformer_cli.data import data_file_names, file_versions, read_pairs
 from tformer_cli.errors import CheckpointError, first_line
 from tformer_cli.files import error_number, replacing
 from tformer_cli.sequences import Sequences, TextPairs
@@ -77,8 +77,7 @@ def data_fingerprint(cfg: DataConfig, split: str, *extra: Any) -> str:
     """A key that changes when the data, its selection or its processing changes."""
     settings = {k: v for k, v in vars(cfg).items() if k not in TRAINING_ONLY}
     spec: dict[str, Any] = {"split": split, "extra": extra, "cfg": settings}
-    files = cfg.data_files.get(split, []) if cfg.data_files else []
-    files = [files] if isinstance(files, str) else files
+    files = data_file_names(cfg.data_files.get(split, [])) if cfg.data_files else []
     paths = [Path(p) for p in files] + ([Path(cfg.dataset)] if not cfg.data_files and cfg.dataset else [])
     spec["stat"] = [file_versions(p) for p in paths]
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:20]
