@@ -71,12 +71,14 @@ def test_glob_patterns_read_the_files_they_match_in_order_and_the_run_records_th
         _jsonl(shards / name, ROWS[4 * i:4 * i + 4])
     (shards / "train-99.jsonl").mkdir()  # a folder that matches is not a file to read
     monkeypatch.chdir(tmp_path)
-    in_order = [ROWS[4:8], ROWS[0:4]]  # train-02, then train-10
-    for pattern, rows in [("shards/train-*.jsonl", in_order), (["shards/**/train-03.jsonl", "shards/train-1?.jsonl"],
-                                                               [ROWS[8:12], ROWS[0:4]])]:
-        cfg = DataConfig(data_files={"train": pattern}, source="de", target="en")
-        assert load_pairs(cfg, "train") == [(r["de"], r["en"]) for part in rows for r in part]
-        assert data_fingerprint(cfg, "train") != data_fingerprint(replace(cfg, data_files={"train": "shards/x*"}), "train")
+    patterns = {"shards/train-*.jsonl": ROWS[4:8] + ROWS[0:4],  # train-02, then train-10
+                ("shards/**/train-03.jsonl", "shards/train-1?.jsonl"): ROWS[8:12] + ROWS[0:4]}
+    for pattern, rows in patterns.items():
+        cfg = DataConfig(data_files={"train": list(pattern) if isinstance(pattern, tuple) else pattern})
+        assert load_pairs(replace(cfg, source="de", target="en"), "train") == [(r["de"], r["en"]) for r in rows]
+    key = data_fingerprint(cfg, "train")
+    _jsonl(shards / "more/train-03.jsonl", ROWS[8:13])  # a matched file changed: the cache key with it
+    assert data_fingerprint(cfg, "train") != key
     cfg = absolute_paths(DataConfig(data_files={"train": "shards/train-*.jsonl", "test": "shards/train-02.jsonl"}))
     assert cfg.data_files == {"train": [str(shards / "train-02.jsonl"), str(shards / "train-10.jsonl")],
                               "test": str(shards / "train-02.jsonl")}  # a run's config.yaml names what it read
