@@ -213,6 +213,9 @@ def _data_cases() -> list[Case]:
              files={"c.yaml": _config(data={"dataset": "./nowhere"})}),
         Case("data/train/dataset-folder-without-data", TRAIN, "a dataset folder holds a file per split",
              files={"c.yaml": _config(data={"dataset": "{tmp}"})}),
+        Case("data/train/dataset-folder-with-brackets", TRAIN, "holds one of * ? [ which datasets reads as a pattern; "
+             "rename the folder, or name its files in data.data_files", files={
+                 "c.yaml": _config(data={"dataset": "{tmp}/d[1]"}), "d[1]/train.jsonl": '{"en": "one", "de": "eins"}\n'}),
         Case("data/train/dataset-folder-two-formats", TRAIN, "holds split 'train' in 2 formats (train.jsonl, "
              "train.tsv), of which only one would be read; keep one format there, or choose the files with "
              "data.data_files", files={"c.yaml": _config(data={"dataset": "{tmp}/d"}),

@@ -381,6 +381,9 @@ def _load_named(name: str, subset: str | None):
     if not local and name.startswith(("/", "./", "../", "~")):  # a path, not a hub id (owner/name)
         raise DataError(f"data.dataset: no such folder '{name}'; check the path (relative paths start "
                         "from the current directory), or evaluate other files with eval --data-files")
+    if local and any(c in str(Path(name).resolve()) for c in "*?["):  # datasets globs under the folder's path
+        raise DataError(f"data.dataset: the path of '{name}' holds one of * ? [ which datasets reads as a pattern; "
+                        "rename the folder, or name its files in data.data_files")
     unreachable = None if local else hub.unreachable()
     failed: list[str] = []
     try:
