@@ -85,6 +85,11 @@ def test_glob_patterns_read_the_files_they_match_in_order_and_the_run_records_th
     (tmp_path / "[draft].jsonl").write_text(json.dumps(ROWS[0]) + "\n")  # a file's own name, brackets and all
     assert load_pairs(DataConfig(data_files={"train": "[draft].jsonl"}, source="de", target="en"), "train") == [
         (ROWS[0]["de"], ROWS[0]["en"])]
+    for name in ("train.en", "train.de"):  # a text split's [source, target] order is not one a pattern can say
+        (tmp_path / name).write_text("a house\n")
+    with pytest.raises(DataError, match=r"^data.data_files: train.\* matches plain-text files \(train.de, train.en\), "
+                                        r"whose order says which is the source; name them one by one, \[source, "):
+        absolute_paths(DataConfig(data_files={"train": "train.*"}))
     with pytest.raises(DataError, match=r"^no data file matches shards/nothing-\*.jsonl; fix data.data_files"):
         load_pairs(DataConfig(data_files={"train": ["shards/train-02.jsonl", "shards/nothing-*.jsonl"]}), "train")
 

@@ -40,20 +40,30 @@ def absolute_paths(cfg: DataConfig) -> DataConfig:
     def matched(files: Any) -> Any:
         if isinstance(files, str) and not _is_pattern(files):
             return absolute(files)
-        return absolute(data_file_names(files))
+        return absolute(data_file_names(files, cfg.format))
 
     files = {split: matched(f) for split, f in cfg.data_files.items()} if cfg.data_files else cfg.data_files
     return replace(cfg, dataset=absolute(cfg.dataset), data_files=files)
 
 
-def data_file_names(files: str | list[str]) -> list[str]:
+def data_file_names(files: str | list[str], fmt: str) -> list[str]:
     """A split's data files as a list, each glob pattern (``train-*.jsonl``, ``shards/**/*.jsonl``)
     replaced by the files it matches, sorted; a pattern that matches none stays, for the error that
-    names it."""
+    names it. ``fmt``: data.format.
+
+    Raises:
+        DataError: a pattern matches plain-text files (train.de, train.en): a text split is a [source,
+            target] pair in that order, which sorting by name would not keep.
+    """
     names = []
     for name in [files] if isinstance(files, str) else files:
         matches = glob.glob(os.path.expanduser(name), recursive=True) if _is_pattern(name) else []
-        names += sorted(f for f in matches if os.path.isfile(f)) or [name]
+        matches = sorted(f for f in matches if os.path.isfile(f))
+        if matches and (fmt == "text" or fmt == "auto" and _format_of_name(matches[0]) in (None, "text")):
+            raise DataError(f"data.data_files: {name} matches plain-text files ({', '.join(matches[:2])}"
+                            f"{', ...' if len(matches) > 2 else ''}), whose order says which is the source; "
+                            "name them one by one, [source, target]")
+        names += matches or [name]
     return names
 
 
@@ -66,7 +76,8 @@ def local_sources(cfg: DataConfig) -> list[Path]:
     """The local data files, or the local dataset folder, that ``cfg``'s splits are read from (none
     for a hub dataset), resolved."""
     if cfg.data_files:
-        return [Path(f).expanduser().resolve() for files in cfg.data_files.values() for f in data_file_names(files)]
+        return [Path(f).expanduser().resolve() for files in cfg.data_files.values()
+                for f in data_file_names(files, cfg.format)]
     folder = Path(cfg.dataset).expanduser() if cfg.dataset else None
     return [folder.resolve()] if folder is not None and folder.is_dir() else []
 
@@ -91,7 +102,7 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
     if cfg.data_files:
         if split not in cfg.data_files:
             raise _missing_split("data.data_files", split, list(cfg.data_files), cfg)
-        files = data_file_names(cfg.data_files[split])
+        files = data_file_names(cfg.data_files[split], cfg.format)
         _check_files(files)
         fmt = cfg.format if cfg.format != "auto" else _format_of(files)
     where = f"{', '.join(files) if cfg.data_files else cfg.dataset}: split '{split}'"

@@ -77,7 +77,7 @@ def data_fingerprint(cfg: DataConfig, split: str, *extra: Any) -> str:
     """A key that changes when the data, its selection or its processing changes."""
     settings = {k: v for k, v in vars(cfg).items() if k not in TRAINING_ONLY}
     spec: dict[str, Any] = {"split": split, "extra": extra, "cfg": settings}
-    files = data_file_names(cfg.data_files.get(split, [])) if cfg.data_files else []
+    files = data_file_names(cfg.data_files.get(split, []), cfg.format) if cfg.data_files else []
     paths = [Path(p) for p in files] + ([Path(cfg.dataset)] if not cfg.data_files and cfg.dataset else [])
     spec["stat"] = [file_versions(p) for p in paths]
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:20]
