@@ -59,7 +59,7 @@ def data_file_names(files: str | list[str], fmt: str) -> list[str]:
     for name in [files] if isinstance(files, str) else files:
         matches = glob.glob(os.path.expanduser(name), recursive=True) if _is_pattern(name) else []
         matches = sorted(f for f in matches if os.path.isfile(f))
-        if matches and (fmt == "text" or fmt == "auto" and _format_of_name(matches[0]) in (None, "text")):
+        if matches and (fmt == "text" or (fmt == "auto" and _format_of_name(matches[0]) in (None, "text"))):
             raise DataError(f"data.data_files: {name} matches plain-text files ({', '.join(matches[:2])}"
                             f"{', ...' if len(matches) > 2 else ''}), whose order says which is the source; "
                             "name them one by one, [source, target]")
