@@ -76,6 +76,7 @@ def test_glob_patterns_read_the_files_they_match_in_order_and_the_run_records_th
     for pattern, rows in patterns.items():
         cfg = DataConfig(data_files={"train": list(pattern) if isinstance(pattern, tuple) else pattern})
         assert load_pairs(replace(cfg, source="de", target="en"), "train") == [(r["de"], r["en"]) for r in rows]
+    cfg = DataConfig(data_files={"train": "shards/**/train-*.jsonl"})
     key = data_fingerprint(cfg, "train")
     _jsonl(shards / "more/train-03.jsonl", ROWS[8:13])  # a matched file changed: the cache key with it
     assert data_fingerprint(cfg, "train") != key

@@ -67,9 +67,14 @@ def data_file_names(files: str | list[str], fmt: str) -> list[str]:
     return names
 
 
+def _globs(text: str) -> bool:
+    """Whether ``text`` holds a character that glob (and so ``datasets``) reads as a pattern."""
+    return any(c in text for c in "*?[")
+
+
 def _is_pattern(name: Any) -> bool:
     """A glob pattern, not a file's own name (which may hold brackets)."""
-    return isinstance(name, str) and any(c in name for c in "*?[") and not Path(name).expanduser().exists()
+    return isinstance(name, str) and _globs(name) and not Path(name).expanduser().exists()
 
 
 def local_sources(cfg: DataConfig) -> list[Path]:
@@ -392,7 +397,7 @@ def _load_named(name: str, subset: str | None):
     if not local and name.startswith(("/", "./", "../", "~")):  # a path, not a hub id (owner/name)
         raise DataError(f"data.dataset: no such folder '{name}'; check the path (relative paths start "
                         "from the current directory), or evaluate other files with eval --data-files")
-    if local and any(c in str(Path(name).resolve()) for c in "*?["):  # datasets globs under the folder's path
+    if local and _globs(str(Path(name).resolve())):  # datasets globs under the folder's path
         raise DataError(f"data.dataset: the path of '{name}' holds one of * ? [ which datasets reads as a pattern; "
                         "rename the folder, or name its files in data.data_files")
     unreachable = None if local else hub.unreachable()
