@@ -212,6 +212,30 @@ def test_eval_on_other_files(run_dir, tmp_path):
     assert missing.exit_code == 1 and missing.output == f"error: --data-files {tmp_path / 'nope.jsonl'}: no such file\n"
 
 
+def test_eval_data_files_may_be_glob_patterns(run_dir, tmp_path):
+    """A quoted pattern is read as training reads one: the files it matches, sorted."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    pairs = [("seven", "sieben"), ("ten", "zehn"), ("three", "drei")]
+    for i, (en, de) in enumerate(pairs):
+        (shards / f"test-{i}.jsonl").write_text(json.dumps({"number": en, "zahl": de}) + "\n")
+    (shards / "test-x.jsonl").mkdir()  # a folder that matches is skipped
+    fields = ["--source-field", "number", "--target-field", "zahl"]
+    hyps = tmp_path / "hyps.txt"
+    result = runner.invoke(app, ["eval", str(run_dir), "--data-files", str(shards / "test-*.jsonl"), *fields,
+                                 "--beam", "1", "--output", str(hyps), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["sentences"] == 3
+    one_by_one = runner.invoke(app, ["generate", str(run_dir), "--beam", "1", *[en for en, _ in pairs]])
+    assert hyps.read_text().splitlines() == one_by_one.stdout.splitlines()  # in the shards' sorted order
+    none = runner.invoke(app, ["eval", str(run_dir), "--data-files", str(tmp_path / "nope-*.jsonl")])
+    assert none.exit_code == 1 and none.output == f"error: --data-files {tmp_path / 'nope-*.jsonl'}: no file matches the pattern\n"
+    (tmp_path / "s.en").write_text("seven\n")
+    (tmp_path / "s.de").write_text("sieben\n")
+    text = runner.invoke(app, ["eval", str(run_dir), "--data-files", str(tmp_path / "s.*")])
+    assert text.exit_code == 1 and "error: --data-files: " in text.output and "matches plain-text files" in text.output
+
+
 def test_generate_from_arguments_and_stdin_one_line_per_input(run_dir):
     args = runner.invoke(app, ["generate", str(run_dir), "seven", "twenty-one"])
     assert args.exit_code == 0, args.output

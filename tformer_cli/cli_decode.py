@@ -64,8 +64,9 @@ def eval_command(
     beam_size: BeamOpt = None,
     output: Annotated[Optional[Path], typer.Option(help="Write hypotheses here, one a line, in input order.")] = None,
     data_files: Annotated[Optional[list[Path]], typer.Option(
-        help="Evaluate these files instead: jsonl/csv/parquet, or a source and a reference text file, the option "
-             "given once per file (--data-files src.txt --data-files ref.txt).")] = None,
+        help="Evaluate these files instead: jsonl/csv/parquet (or a quoted pattern, 'shards/*.jsonl', for the files "
+             "it matches, sorted), or a source and a reference text file, the option given once per file "
+             "(--data-files src.txt --data-files ref.txt).")] = None,
     source_field: Annotated[Optional[str], typer.Option(help="Source field of --data-files.")] = None,
     target_field: Annotated[Optional[str], typer.Option(help="Target field of --data-files.")] = None,
     max_samples: Annotated[Optional[int], typer.Option(help="Only the first N pairs.")] = None,
@@ -104,7 +105,7 @@ def eval_command(
                          epsilon=epsilon)
     check_mbr(mbr, mbr_metric, mbr_candidates)
     check_mode(accel)
-    _check_data_files(data_files)
+    data_files = _check_data_files(data_files)
     dev = resolve_device(device or "auto")
     precision = resolve_precision(precision, dev)  # auto: bf16 on a recent GPU, as training
     runs = ensemble_runs(run, ensemble)
@@ -132,13 +133,24 @@ def eval_command(
     _report_eval(result, output, json_output)
 
 
-def _check_data_files(data_files: list[Path] | None) -> None:
-    from tformer_cli.data import not_a_data_file
+def _check_data_files(data_files: list[Path] | None) -> list[Path] | None:
+    """``data_files`` with each glob pattern (a quoted ``'shards/*.jsonl'``) replaced by the files it
+    matches, sorted, as training reads them; each checked to be a readable file."""
+    from tformer_cli.data import data_file_names, is_pattern, not_a_data_file
 
-    for path in data_files or []:
-        problem = not_a_data_file(path)
-        if problem:
-            raise UsageError(f"--data-files {path}: {problem}")
+    if not data_files:
+        return data_files
+    files = []
+    for path in data_files:
+        names = data_file_names(str(path), "auto", option="--data-files")
+        if names == [str(path)] and is_pattern(str(path)):
+            raise UsageError(f"--data-files {path}: no file matches the pattern")
+        for name in names:
+            problem = not_a_data_file(name)
+            if problem:
+                raise UsageError(f"--data-files {name}: {problem}")
+        files += [Path(name) for name in names]
+    return files
 
 
 def _eval_data(data: DataConfig, split: str, data_files: list[Path] | None, source_field: str | None,

@@ -38,7 +38,7 @@ def absolute_paths(cfg: DataConfig) -> DataConfig:
         return str(local.resolve()) if local is not None and local.exists() else path
 
     def matched(files: Any) -> Any:
-        if isinstance(files, str) and not _is_pattern(files):
+        if isinstance(files, str) and not is_pattern(files):
             return absolute(files)
         return absolute(data_file_names(files, cfg.format))
 
@@ -46,10 +46,10 @@ def absolute_paths(cfg: DataConfig) -> DataConfig:
     return replace(cfg, dataset=absolute(cfg.dataset), data_files=files)
 
 
-def data_file_names(files: str | list[str], fmt: str) -> list[str]:
+def data_file_names(files: str | list[str], fmt: str, option: str = "data.data_files") -> list[str]:
     """A split's data files as a list, each glob pattern (``train-*.jsonl``, ``shards/**/*.jsonl``)
     replaced by the files it matches, sorted; a pattern that matches none stays, for the error that
-    names it. ``fmt``: data.format.
+    names it. ``fmt``: data.format; ``option``: where the names came from, for that error.
 
     Raises:
         DataError: a pattern matches plain-text files (train.de, train.en): a text split is a [source,
@@ -57,10 +57,10 @@ def data_file_names(files: str | list[str], fmt: str) -> list[str]:
     """
     names = []
     for name in [files] if isinstance(files, str) else files:
-        matches = glob.glob(os.path.expanduser(name), recursive=True) if _is_pattern(name) else []
+        matches = glob.glob(os.path.expanduser(name), recursive=True) if is_pattern(name) else []
         matches = sorted(f for f in matches if os.path.isfile(f))
         if matches and (fmt == "text" or (fmt == "auto" and _format_of_name(matches[0]) in (None, "text"))):
-            raise DataError(f"data.data_files: {name} matches plain-text files ({', '.join(matches[:2])}"
+            raise DataError(f"{option}: {name} matches plain-text files ({', '.join(matches[:2])}"
                             f"{', ...' if len(matches) > 2 else ''}), whose order says which is the source; "
                             "name them one by one, [source, target]")
         names += matches or [name]
@@ -72,7 +72,7 @@ def _globs(text: str) -> bool:
     return any(c in text for c in "*?[")
 
 
-def _is_pattern(name: Any) -> bool:
+def is_pattern(name: Any) -> bool:
     """A glob pattern, not a file's own name (which may hold brackets)."""
     return isinstance(name, str) and _globs(name) and not Path(name).expanduser().exists()
 
@@ -208,7 +208,7 @@ def not_a_data_file(path: Path | str) -> str | None:
 def _check_files(files: list[str]) -> None:
     for path in files:
         if not Path(path).exists():
-            what = "no data file matches" if _is_pattern(path) else "data file not found:"
+            what = "no data file matches" if is_pattern(path) else "data file not found:"
             raise DataError(f"{what} {path}; fix data.data_files (paths are relative to the current directory)")
         problem = not_a_data_file(path)
         if problem:
