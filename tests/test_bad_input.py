@@ -205,6 +205,11 @@ def _data_cases() -> list[Case]:
         Case("data/eval/a-folder", ["eval", "{run}", "--data-files", "{tmp}"], "{tmp}: is a folder; name its files"),
         Case("data/train/a-folder", TRAIN, "{tmp}: is a folder; name its files", files={"c.yaml": _config(data={
             "dataset": None, "data_files": {"train": "{tmp}"}, "validation_split": None})}),
+        Case("data/eval/a-url", ["eval", "{run}", "--data-files", "https://example.com/test.jsonl"],
+             "--data-files https://example.com/test.jsonl: is a URL, and data files are read from local disk"),
+        Case("data/train/a-url", TRAIN, "hf://datasets/org/wmt/train.parquet: is a URL", files={"c.yaml": _config(
+            data={"dataset": None, "data_files": {"train": "hf://datasets/org/wmt/train.parquet"},
+                  "validation_split": None})}),
         Case("data/eval/unknown-format", ["eval", "{run}", "--data-files", "{tmp}/d.xml"], "set data.format",
              files={"d.xml": "<a/>"}),
         Case("data/eval/wrong-field-flag", ["eval", "{run}", "--data-files", str(NUMBERS / "test.jsonl"),

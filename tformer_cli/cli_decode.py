@@ -63,7 +63,7 @@ def eval_command(
         help="Split of the run's dataset (default: its data.test_split, e.g. test).")] = None,
     beam_size: BeamOpt = None,
     output: Annotated[Optional[Path], typer.Option(help="Write hypotheses here, one a line, in input order.")] = None,
-    data_files: Annotated[Optional[list[Path]], typer.Option(
+    data_files: Annotated[Optional[list[str]], typer.Option(
         help="Evaluate these files instead: jsonl/csv/parquet (or a quoted pattern, 'shards/*.jsonl', for the files "
              "it matches, sorted), or a source and a reference text file, the option given once per file "
              "(--data-files src.txt --data-files ref.txt).")] = None,
@@ -133,7 +133,7 @@ def eval_command(
     _report_eval(result, output, json_output)
 
 
-def _check_data_files(data_files: list[Path] | None) -> list[Path] | None:
+def _check_data_files(data_files: list[str] | None) -> list[str] | None:
     """``data_files`` with each glob pattern (a quoted ``'shards/*.jsonl'``) replaced by the files it
     matches, sorted, as training reads them; each checked to be a readable file."""
     from tformer_cli.data import data_file_names, is_pattern, not_a_data_file
@@ -141,25 +141,23 @@ def _check_data_files(data_files: list[Path] | None) -> list[Path] | None:
     if not data_files:
         return data_files
     files = []
-    for path in data_files:
-        names = data_file_names(str(path), "auto", option="--data-files")
-        if names == [str(path)] and is_pattern(str(path)):
-            raise UsageError(f"--data-files {path}: no file matches the pattern")
-        for name in names:
-            problem = not_a_data_file(name)
-            if problem:
-                raise UsageError(f"--data-files {name}: {problem}")
-        files += [Path(name) for name in names]
+    for name in (n for path in data_files for n in data_file_names(path, "auto", option="--data-files")):
+        problem = not_a_data_file(name)
+        if problem == "no such file" and is_pattern(name):
+            problem = "no file matches the pattern"
+        if problem:
+            raise UsageError(f"--data-files {name}: {problem}")
+        files.append(name)
     return files
 
 
-def _eval_data(data: DataConfig, split: str, data_files: list[Path] | None, source_field: str | None,
+def _eval_data(data: DataConfig, split: str, data_files: list[str] | None, source_field: str | None,
                target_field: str | None, max_samples: int | None) -> DataConfig:
     """The run's data settings for ``split``, or ``data_files`` as that split, with eval's overrides."""
     from dataclasses import replace
 
     if data_files:
-        data = replace(data, data_files={split: [str(f) for f in data_files]}, format="auto")
+        data = replace(data, data_files={split: data_files}, format="auto")
     return replace(data, source=source_field or data.source, target=target_field or data.target,
                    max_samples=max_samples)
 

@@ -12,6 +12,7 @@ import glob
 import gzip
 import hashlib
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -202,15 +203,18 @@ def not_a_data_file(path: Path | str) -> str | None:
         return "is a folder; name its files"
     if path.exists():
         return "is not a regular file (a pipe, say); write the data to a file first (.gz files are read as they are)"
+    if re.match(r"[A-Za-z][\w+.-]+:/", str(path)):  # https://, hf://, s3:// (a Path keeps one slash)
+        return ("is a URL, and data files are read from local disk; download it first, or name a hub dataset "
+                "in data.dataset")
     return "no such file"
 
 
 def _check_files(files: list[str]) -> None:
     for path in files:
-        if not Path(path).exists():
+        problem = not_a_data_file(path)
+        if problem == "no such file":
             what = "no data file matches" if is_pattern(path) else "data file not found:"
             raise DataError(f"{what} {path}; fix data.data_files (paths are relative to the current directory)")
-        problem = not_a_data_file(path)
         if problem:
             folder = " in data.data_files, or set data.dataset to the folder" if Path(path).is_dir() else ""
             raise DataError(f"{path}: {problem}{folder}")
@@ -245,7 +249,6 @@ def _datasets_errors(failed: list[str]) -> Iterator[None]:
     """Keep datasets' error lines off the terminal (the error raised says it once), noting in ``failed``
     the files they name: its readers log the file that failed, then raise an error without it."""
     import logging
-    import re
 
     class FileNames(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
