@@ -214,6 +214,11 @@ def _data_cases() -> list[Case]:
              files={"d.xml": "<a/>"}),
         Case("data/eval/wrong-field-flag", ["eval", "{run}", "--data-files", str(NUMBERS / "test.jsonl"),
                                             "--source-field", "fr"], "field 'fr' not in the dataset"),
+        Case("data/train/revision-of-a-folder", TRAIN, "data.revision: selects a version of a hub dataset, and",
+             files={"c.yaml": _config(data={"revision": "v2"})}),
+        Case("data/train/revision-of-data-files", TRAIN, "data.revision: selects a version of a hub data.dataset, "
+             "not of data.data_files", files={"c.yaml": _config(data={"revision": "v2", "dataset": None,
+                                                                      "data_files": {"train": "t.jsonl"}})}),
         Case("data/train/dataset-folder-missing", TRAIN, "no such folder",
              files={"c.yaml": _config(data={"dataset": "./nowhere"})}),
         Case("data/train/dataset-folder-without-data", TRAIN, "a dataset folder holds a file per split",

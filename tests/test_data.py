@@ -9,7 +9,7 @@ import torch
 
 from tformer_cli.batching import collate, token_batches
 from tformer_cli.config import DataConfig
-from tformer_cli.data import absolute_paths, load_pairs
+from tformer_cli.data import absolute_paths, load_pairs, pin_revision
 from tformer_cli.encoding import (
     EncodedSplit, cached_vocabulary, data_fingerprint, encode_split, encodings_cached, joined, load_encoded, resegment,
     split_counts, split_from_tensors, split_tensors, train_or_load_vocabulary)
@@ -278,6 +278,57 @@ def test_an_unreachable_hub_loads_cached_datasets_at_once_and_fails_at_once_othe
     with pytest.raises(DataError, match=r"it is unreachable \(cannot connect to huggingface.co:443, "
                                         r"ConnectionRefusedError\) and the datasets cache has no copy"):
         load_pairs(DataConfig(dataset="someone/missing"), "train")
+
+
+def test_a_run_records_the_commit_of_the_hub_dataset_it_reads(tmp_path, monkeypatch):
+    """data.revision (a branch, a tag, or none: the default branch) becomes the commit it is at when a
+    run starts, in the run's config.yaml: its resume, its eval and the cache key read that version, not
+    one pushed since. A commit, local data and a hub out of reach are left as they are."""
+    from types import SimpleNamespace
+
+    import datasets
+    import huggingface_hub
+
+    from tformer_cli import hub
+    from tformer_cli.runs import prepare_run
+
+    commits, asked = {None: "a" * 40, "v2": "b" * 40}, []
+
+    def dataset_info(api, name, revision=None, **kwargs):
+        asked.append((name, revision))
+        if revision not in commits:
+            raise huggingface_hub.errors.RevisionNotFoundError(f"Invalid rev id: {revision}")
+        return SimpleNamespace(sha=commits[revision])
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
+    monkeypatch.setattr(hub, "unreachable", lambda: None)
+    config = tmp_path / "c.yaml"
+    config.write_text("data: {dataset: someone/pairs, source: de, target: en}\n")
+    assert prepare_run(config, None, [], tmp_path / "run")[0].data.revision == "a" * 40
+    pinned, _ = prepare_run(config, None, ["data.revision=v2"], tmp_path / "run")
+    assert pinned.data.revision == "b" * 40 and asked == [("someone/pairs", None), ("someone/pairs", "v2")]
+    cfg = pinned.data
+    assert pin_revision(replace(cfg, revision="c" * 40)).revision == "c" * 40 and len(asked) == 2  # nothing asked
+    assert pin_revision(replace(cfg, revision="nope")).revision == "nope"  # loading it says what is wrong
+    local = DataConfig(dataset=str(tmp_path))
+    assert pin_revision(local) == local and len(asked) == 3
+    monkeypatch.setattr(hub, "unreachable", lambda: "no address for huggingface.co")
+    assert pin_revision(replace(cfg, revision=None)).revision is None
+    assert data_fingerprint(cfg, "train") != data_fingerprint(replace(cfg, revision="a" * 40), "train")
+
+    loaded = []
+
+    def load_dataset(name, subset=None, **kwargs):
+        loaded.append((name, kwargs.get("revision")))
+        return datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:2])})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert load_pairs(cfg, "train") == [(r["de"], r["en"]) for r in ROWS[:2]]
+    assert loaded == [("someone/pairs", "b" * 40)]
+    _jsonl(tmp_path / "train.jsonl", ROWS[:2])
+    with pytest.raises(DataError, match=f"^data.revision: selects a version of a hub dataset, and '{tmp_path}' is a "
+                                        "local folder; remove data.revision$"):
+        load_pairs(replace(local, revision="v2"), "train")
 
 
 def test_encode_split_drops_empty_and_drops_or_truncates_long_pairs():

@@ -63,6 +63,9 @@ class DataConfig:
 
     dataset: Optional[str] = "bentrevett/multi30k"  # hub id or local dataset folder
     subset: Optional[str] = None  # the dataset's subset (configuration) where it has several, e.g. wmt14's de-en
+    # a hub dataset's branch, tag or commit (null: its default branch); a run records the commit it read, so that a
+    # resume, eval and the cache read that version, not one pushed since
+    revision: Optional[str] = None
     data_files: Optional[dict[str, Any]] = None  # split -> file(s) or patterns (train-*.jsonl); overrides `dataset`
     # of data_files; tsv: source, tab, target a line (an `en<TAB>de` header optional); text: a [source, target]
     # pair of text files; auto: by extension, text for train.de + train.en
@@ -295,6 +298,8 @@ def _validate_data(d: DataConfig, m: ModelConfig, need: Need) -> None:
          "set data.dataset (hub id or folder) or data.data_files (split -> files)")
     need(not (d.subset and d.data_files), "data.subset",
          "selects a subset of data.dataset, not of data.data_files; remove one of them")
+    need(not (d.revision and d.data_files), "data.revision",
+         "selects a version of a hub data.dataset, not of data.data_files; remove one of them")
     for split, files in (d.data_files or {}).items():
         paths = files if isinstance(files, list) else [files]
         need(bool(paths) and all(isinstance(f, str) and f for f in paths), f"data.data_files.{split}",

@@ -47,6 +47,20 @@ def absolute_paths(cfg: DataConfig) -> DataConfig:
     return replace(cfg, dataset=absolute(cfg.dataset), data_files=files)
 
 
+def pin_revision(cfg: DataConfig) -> DataConfig:
+    """``cfg`` with a hub dataset's revision (a branch, or none: the default branch) replaced by the
+    commit it is at now, so that the run's config.yaml names the version it read, and a resume, an
+    eval and the cache key read that one. Local data, and a hub the run cannot reach, stay as they are."""
+    if cfg.data_files or not cfg.dataset or _local_name(cfg.dataset):
+        return cfg
+    return replace(cfg, revision=hub.commit_of(cfg.dataset, cfg.revision) or cfg.revision)
+
+
+def _local_name(name: str) -> bool:
+    """A dataset folder's name, not a hub id (owner/name)."""
+    return Path(name).expanduser().exists() or name.startswith(("/", "./", "../", "~"))
+
+
 def data_file_names(files: str | list[str], fmt: str, option: str = "data.data_files") -> list[str]:
     """A split's data files as a list, each glob pattern (``train-*.jsonl``, ``shards/**/*.jsonl``)
     replaced by the files it matches, sorted; a pattern that matches none stays, for the error that
@@ -132,7 +146,7 @@ def _named_pairs(cfg: DataConfig, split: str, where: str) -> "ArrowPairs":
     if tsv := _tsv_split(cfg.dataset, split):  # datasets' folder loader would take a first line for a header
         _check_files(tsv)
         return _tsv_pairs(tsv, cfg, where)
-    splits = _load_named(cfg.dataset, cfg.subset)
+    splits = _load_named(cfg.dataset, cfg.subset, cfg.revision)
     if split not in splits:
         raise _missing_split(f"dataset '{cfg.dataset}'", split, list(splits), cfg)
     return _columns(splits[split], cfg, where)
@@ -391,15 +405,18 @@ def _version_name(paths: list[str]) -> str:
     return "tformer-" + hashlib.sha256(repr([file_versions(p) for p in paths]).encode()).hexdigest()[:16]
 
 
-def _load_named(name: str, subset: str | None):
-    """The splits of a hub dataset or a local dataset folder."""
+def _load_named(name: str, subset: str | None, revision: str | None):
+    """The splits of a hub dataset (at ``revision``) or a local dataset folder."""
     import datasets
 
     datasets.disable_progress_bars()
     local = Path(name).exists()
-    if not local and name.startswith(("/", "./", "../", "~")):  # a path, not a hub id (owner/name)
+    if not local and _local_name(name):
         raise DataError(f"data.dataset: no such folder '{name}'; check the path (relative paths start "
                         "from the current directory), or evaluate other files with eval --data-files")
+    if local and revision:
+        raise DataError(f"data.revision: selects a version of a hub dataset, and '{name}' is a local folder; "
+                        "remove data.revision")
     if local and _globs(str(Path(name).resolve())):  # datasets globs under the folder's path
         raise DataError(f"data.dataset: the path of '{name}' holds one of * ? [ which datasets reads as a pattern; "
                         "rename the folder, or name its files in data.data_files")
@@ -409,8 +426,12 @@ def _load_named(name: str, subset: str | None):
         with hub.offline() if unreachable else nullcontext(), _datasets_errors(failed):
             # a folder's tables cached apart per version of its files (see _version_name)
             cache = Path(datasets.config.HF_DATASETS_CACHE, "tformer", _version_name([name])) if local else None
-            dataset = datasets.load_dataset(name, subset, cache_dir=str(cache) if cache else None)
+            dataset = datasets.load_dataset(name, subset, cache_dir=str(cache) if cache else None,
+                                            revision=None if local else revision)
     except Exception as exc:
+        if revision and not unreachable and "revision" in str(_root_cause(exc)).lower():
+            raise DataError(f"data.revision: '{name}' has no revision '{revision}' ({first_line(_root_cause(exc))}); "
+                            "name a branch, tag or commit of it") from exc
         wrong_subset = None if unreachable else hub.wrong_subset(name, subset)
         if wrong_subset:
             raise DataError(f"data.subset: {wrong_subset}") from exc

@@ -1,9 +1,11 @@
 """The Hugging Face hub as ``data.py`` reaches it: whether it can be reached at all (a few seconds,
-not huggingface_hub's retries), offline mode for a block, and what is wrong with a dataset's subset."""
+not huggingface_hub's retries), offline mode for a block, the commit a dataset's revision is at, and
+what is wrong with a dataset's subset."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from contextlib import contextmanager
 from urllib.parse import urlparse
@@ -43,6 +45,22 @@ def unreachable() -> str | None:
     except OSError as exc:
         return f"cannot connect to {host}:{port}, {type(exc).__name__}"
     return None
+
+
+def commit_of(name: str, revision: str | None) -> str | None:
+    """The commit that ``revision`` (a branch or tag; None: the default branch) of the hub dataset
+    ``name`` is at now, or None where the hub cannot say (offline, unreachable, no such dataset or
+    revision: loading it then says what is wrong)."""
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    if unreachable():
+        return None
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(name, revision=revision).sha
+    except Exception:
+        return None
 
 
 @contextmanager

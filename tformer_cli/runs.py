@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tformer_cli.config import Config, load_config
-from tformer_cli.data import absolute_paths
+from tformer_cli.data import absolute_paths, pin_revision
 from tformer_cli.devices import resolve_device
 from tformer_cli.errors import CheckpointError, Interrupted, UsageError
 from tformer_cli.run_folder import CONFIG, MARKER, WEIGHTS, check_not_held, foreign_files, is_marked
@@ -56,7 +56,8 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
     resolve_device(config.train.device)
     if resume is None and main:
         _clear_for_new_run(run_dir, overwrite)
-    config.data = absolute_paths(config.data)  # the run's config.yaml then works from any directory
+    # the run's config.yaml then works from any directory, and names the hub dataset's commit it reads
+    config.data = pin_revision(absolute_paths(config.data))
     return config, run_dir
 
 
