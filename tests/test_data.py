@@ -297,7 +297,7 @@ def test_a_run_records_the_commit_of_the_hub_dataset_it_reads(tmp_path, monkeypa
     def dataset_info(api, name, revision=None, **kwargs):
         asked.append((name, revision))
         if revision not in commits:
-            raise huggingface_hub.errors.RevisionNotFoundError(f"Invalid rev id: {revision}")
+            raise OSError(f"404 Revision Not Found: Invalid rev id: {revision}")  # as huggingface_hub's, an OSError
         return SimpleNamespace(sha=commits[revision])
 
     monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
@@ -318,13 +318,20 @@ def test_a_run_records_the_commit_of_the_hub_dataset_it_reads(tmp_path, monkeypa
 
     loaded = []
 
-    def load_dataset(name, subset=None, **kwargs):
-        loaded.append((name, kwargs.get("revision")))
+    def load_dataset(name, subset=None, revision=None, **kwargs):
+        loaded.append((name, revision))
+        if revision == "nope":  # as datasets words it
+            raise datasets.exceptions.DatasetNotFoundError(f"Revision '{revision}' doesn't exist for dataset '{name}' "
+                                                           "on the Hub.")
         return datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:2])})
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     assert load_pairs(cfg, "train") == [(r["de"], r["en"]) for r in ROWS[:2]]
     assert loaded == [("someone/pairs", "b" * 40)]
+    monkeypatch.setattr(hub, "unreachable", lambda: None)
+    with pytest.raises(DataError, match="^data.revision: 'someone/pairs' has no revision 'nope' "
+                                        r"\(Revision 'nope' doesn't exist .*\); name a branch, tag or commit of it$"):
+        load_pairs(replace(cfg, revision="nope"), "train")
     _jsonl(tmp_path / "train.jsonl", ROWS[:2])
     with pytest.raises(DataError, match=f"^data.revision: selects a version of a hub dataset, and '{tmp_path}' is a "
                                         "local folder; remove data.revision$"):

@@ -426,8 +426,7 @@ def _load_named(name: str, subset: str | None, revision: str | None):
         with hub.offline() if unreachable else nullcontext(), _datasets_errors(failed):
             # a folder's tables cached apart per version of its files (see _version_name)
             cache = Path(datasets.config.HF_DATASETS_CACHE, "tformer", _version_name([name])) if local else None
-            dataset = datasets.load_dataset(name, subset, cache_dir=str(cache) if cache else None,
-                                            revision=None if local else revision)
+            dataset = datasets.load_dataset(name, subset, cache_dir=str(cache) if cache else None, revision=revision)
     except Exception as exc:
         if revision and not unreachable and "revision" in str(_root_cause(exc)).lower():
             raise DataError(f"data.revision: '{name}' has no revision '{revision}' ({first_line(_root_cause(exc))}); "
