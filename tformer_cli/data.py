@@ -431,7 +431,7 @@ def _load_named(name: str, subset: str | None, revision: str | None):
         if revision and not unreachable and "revision" in str(_root_cause(exc)).lower():
             raise DataError(f"data.revision: '{name}' has no revision '{revision}' ({first_line(_root_cause(exc))}); "
                             "name a branch, tag or commit of it") from exc
-        wrong_subset = None if unreachable else hub.wrong_subset(name, subset)
+        wrong_subset = None if unreachable else hub.wrong_subset(name, subset, revision)
         if wrong_subset:
             raise DataError(f"data.subset: {wrong_subset}") from exc
         if local and failed:  # a file datasets could not parse: the file and the parser's own words

@@ -11,12 +11,13 @@ from contextlib import contextmanager
 from urllib.parse import urlparse
 
 
-def wrong_subset(name: str, subset: str | None) -> str | None:
-    """What is wrong with ``subset`` for the dataset ``name``, or None where it is not the problem."""
+def wrong_subset(name: str, subset: str | None, revision: str | None = None) -> str | None:
+    """What is wrong with ``subset`` for the dataset ``name`` (at ``revision``), or None where it is not
+    the problem."""
     import datasets
 
     try:
-        subsets = datasets.get_dataset_config_names(name)
+        subsets = datasets.get_dataset_config_names(name, revision=revision)
     except Exception:
         return None
     if subset is None and len(subsets) > 1:
