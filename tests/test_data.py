@@ -263,8 +263,10 @@ def test_an_unreachable_hub_loads_cached_datasets_at_once_and_fails_at_once_othe
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
     _cache_as_hub_dataset(tmp_path / "hf", "someone/cached-pairs", _jsonl(tmp_path / "train.jsonl", ROWS[:3]))
 
-    pairs = load_pairs(DataConfig(dataset="someone/cached-pairs", source="en", target="de"), "train")
-    assert pairs == [(r["en"], r["de"]) for r in ROWS[:3]]
+    cached = DataConfig(dataset="someone/cached-pairs", source="en", target="de")
+    assert load_pairs(cached, "train") == [(r["en"], r["de"]) for r in ROWS[:3]]
+    pinned = replace(cached, revision="a" * 40)  # a run's config.yaml names the commit it read
+    assert load_pairs(pinned, "train") == [(r["en"], r["de"]) for r in ROWS[:3]]
     with pytest.raises(DataError, match="'someone/missing': no such folder here .*, and from the Hugging Face "
                                         "hub: it is unreachable "
                                         r"\(no address for huggingface.co\) and the datasets cache has no copy"):
