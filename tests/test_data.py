@@ -309,6 +309,8 @@ def test_a_run_records_the_commit_of_the_hub_dataset_it_reads(tmp_path, monkeypa
     assert prepare_run(config, None, [], tmp_path / "run")[0].data.revision == "a" * 40
     pinned, _ = prepare_run(config, None, ["data.revision=v2"], tmp_path / "run")
     assert pinned.data.revision == "b" * 40 and asked == [("someone/pairs", None), ("someone/pairs", "v2")]
+    other = prepare_run(config, None, [], tmp_path / "run", main=False)[0]  # a process beside rank 0: it takes
+    assert other.data.revision is None and len(asked) == 2  # rank 0's commit in Setup, not one of its own asking
     cfg = pinned.data
     assert pin_revision(replace(cfg, revision="c" * 40)).revision == "c" * 40 and len(asked) == 2  # nothing asked
     assert pin_revision(replace(cfg, revision="nope")).revision == "nope"  # loading it says what is wrong

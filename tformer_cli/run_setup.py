@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,8 @@ class Setup:
         self.config, self.run_dir, self.device, self.workers = config, run_dir, device, workers
         # under FSDP no process holds the whole model: rank 0 gathers it into a copy to validate and save
         self.sharded = workers.grouped and config.train.parallel == "fsdp"
+        # every process reads the hub dataset's commit that rank 0 pinned (prepare_run) and records
+        config.data = replace(config.data, revision=workers.from_main(config.data.revision))
         # in turns: rank 0 learns the vocabulary, fills the cache and writes the run folder; then the first
         # process of each other node (which fills that node's cache, if it has its own); then the rest
         turn = 0 if workers.main else 1 if workers.local_rank == 0 else 2

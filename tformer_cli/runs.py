@@ -56,8 +56,9 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
     resolve_device(config.train.device)
     if resume is None and main:
         _clear_for_new_run(run_dir, overwrite)
-    # the run's config.yaml then works from any directory, and names the hub dataset's commit it reads
-    config.data = pin_revision(absolute_paths(config.data))
+    config.data = absolute_paths(config.data)  # the run's config.yaml then works from any directory
+    if main:  # and names the hub dataset's commit it reads (the other processes take it from this one)
+        config.data = pin_revision(config.data)
     return config, run_dir
 
 
