@@ -136,19 +136,14 @@ def eval_command(
 def _check_data_files(data_files: list[str] | None) -> list[str] | None:
     """``data_files`` with each glob pattern (a quoted ``'shards/*.jsonl'``) replaced by the files it
     matches, sorted, as training reads them; each checked to be a readable file."""
-    from tformer_cli.data import data_file_names, is_pattern, not_a_data_file
+    from tformer_cli.data import data_file_names, not_a_data_file
 
-    if not data_files:
-        return data_files
-    files = []
-    for name in (n for path in data_files for n in data_file_names(path, "auto", option="--data-files")):
+    files = [name for path in data_files or [] for name in data_file_names(path, "auto", option="--data-files")]
+    for name in files:
         problem = not_a_data_file(name)
-        if problem == "no such file" and is_pattern(name):
-            problem = "no file matches the pattern"
         if problem:
             raise UsageError(f"--data-files {name}: {problem}")
-        files.append(name)
-    return files
+    return files or None
 
 
 def _eval_data(data: DataConfig, split: str, data_files: list[str] | None, source_field: str | None,

@@ -220,15 +220,18 @@ def not_a_data_file(path: Path | str) -> str | None:
     if re.match(r"[A-Za-z][\w+.-]+:/", str(path)):  # https://, hf://, s3:// (a Path keeps one slash)
         return ("is a URL, and data files are read from local disk; download it first, or name a hub dataset "
                 "in data.dataset")
-    return "no such file"
+    return "no file matches the pattern" if is_pattern(str(path)) else "no such file"
+
+
+_MISSING = {"no such file": "data file not found:", "no file matches the pattern": "no data file matches"}
 
 
 def _check_files(files: list[str]) -> None:
     for path in files:
         problem = not_a_data_file(path)
-        if problem == "no such file":
-            what = "no data file matches" if is_pattern(path) else "data file not found:"
-            raise DataError(f"{what} {path}; fix data.data_files (paths are relative to the current directory)")
+        if problem in _MISSING:
+            raise DataError(f"{_MISSING[problem]} {path}; fix data.data_files (paths are relative to the current "
+                            "directory)")
         if problem:
             folder = " in data.data_files, or set data.dataset to the folder" if Path(path).is_dir() else ""
             raise DataError(f"{path}: {problem}{folder}")
