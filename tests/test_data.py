@@ -341,6 +341,21 @@ def test_a_run_records_the_commit_of_the_hub_dataset_it_reads(tmp_path, monkeypa
                                         "local folder; remove data.revision$"):
         load_pairs(replace(local, revision="v2"), "train")
 
+    # a resume reads the commit its run recorded; overrides that name other data drop it, for that data's own
+    from tformer_cli.config import to_yaml
+    from tformer_cli.run_folder import CONFIG, MARKER
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / MARKER).write_text("{}\n")
+    (run / CONFIG).write_text(to_yaml(pinned))
+    resumed = {tuple(o): prepare_run(None, run, o, None)[0].data.revision
+               for o in (["train.max_steps=9"], ["data.dataset=someone/pairs"], ["data.dataset=someone/other"],
+                         ["data.dataset=someone/other", "data.revision=v2"], [f"data.dataset={tmp_path}"],
+                         ["data.data_files.train=train.jsonl", "data.data_files.validation=train.jsonl"])}
+    assert list(resumed.values()) == ["b" * 40, "b" * 40, "a" * 40, "b" * 40, None, None]
+    assert asked[-2:] == [("someone/other", None), ("someone/other", "v2")]
+
 
 def test_encode_split_drops_empty_and_drops_or_truncates_long_pairs():
     vocab = Vocabulary.train([("a b c d e f g", "a b c d e f g")], vocab_size=40, min_frequency=1)

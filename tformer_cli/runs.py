@@ -45,9 +45,7 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
             raise CheckpointError(f"--resume {resume}: not a run that tformer train started (no {MARKER} marker, "
                                   f"no checkpoint); start one from its config: tformer train "
                                   f"{Path(resume) / CONFIG} --output-dir NEW_FOLDER")
-        config = load_config(Path(resume) / CONFIG, overrides, saved_run=True)
-        if overrides:
-            _refuse_fixed_changes(load_config(Path(resume) / CONFIG, saved_run=True), config)
+        config = _resumed_config(Path(resume) / CONFIG, overrides)
         config.name, run_dir = Path(resume).name, Path(resume)
     else:
         config = load_config(config_path, overrides)
@@ -93,6 +91,27 @@ def _clear_for_new_run(run_dir: Path, overwrite: bool) -> None:
 # What a resumed run may change: its regularisation, not the weights' shapes or the vocabulary it learned.
 _RESUMABLE_MODEL_KEYS = ("dropout", "attention_dropout", "word_dropout")
 _VOCABULARY_KEYS = ("vocab_size", "joint_vocab", "min_frequency", "lowercase")
+
+
+def _resumed_config(path: Path, overrides: list[str]) -> Config:
+    """A run's saved config with a resume's ``overrides``. The hub dataset's commit that the run
+    recorded (data.revision) is kept unless they name other data, whose version it is not: then the
+    new data is read at its own (pinned afresh, where it is a hub dataset), or at the revision they set.
+
+    Raises:
+        ConfigError: a mistake in the overrides.
+        UsageError: they change the model's shape or the vocabulary.
+    """
+    saved = load_config(path, saved_run=True)
+    if not overrides:
+        return saved
+    revision_set = any(item.partition("=")[0].strip() == "data.revision" for item in overrides)
+    config = load_config(path, overrides if revision_set else ["data.revision=null", *overrides], saved_run=True)
+    _refuse_fixed_changes(saved, config)
+    same_data = all(getattr(saved.data, key) == getattr(config.data, key) for key in ("dataset", "subset", "data_files"))
+    if not revision_set and same_data:
+        config.data.revision = saved.data.revision
+    return config
 
 
 def _refuse_fixed_changes(saved: Config, config: Config) -> None:
