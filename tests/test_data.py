@@ -357,6 +357,25 @@ def test_a_run_records_the_commit_of_the_hub_dataset_it_reads(tmp_path, monkeypa
     assert asked[-2:] == [("someone/other", None), ("someone/other", "v2")]
 
 
+def test_a_hub_that_connects_but_never_answers_leaves_the_revision_as_it_is(monkeypatch):
+    """A proxy or mirror that takes the connection and says nothing: pinning the commit gives up after
+    hub.ANSWER_TIMEOUT (huggingface_hub waits forever), and loading the dataset says what is wrong."""
+    import socket
+
+    import huggingface_hub.constants
+
+    from tformer_cli import hub
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the tests' setting
+        monkeypatch.setattr(hub, "unreachable", lambda: None)  # it connects
+        monkeypatch.setattr(hub, "ANSWER_TIMEOUT", 0.5)
+        assert hub.commit_of("someone/pairs", "main") is None
+
+
 def test_encode_split_drops_empty_and_drops_or_truncates_long_pairs():
     vocab = Vocabulary.train([("a b c d e f g", "a b c d e f g")], vocab_size=40, min_frequency=1)
     pairs = [("a b", "c d"), ("", "c"), ("a b c d e f g a b c d e f g", "a")]

@@ -48,6 +48,9 @@ def unreachable() -> str | None:
     return None
 
 
+ANSWER_TIMEOUT = 10.0  # seconds for the hub's answer to a question of ours (huggingface_hub waits forever)
+
+
 def commit_of(name: str, revision: str | None) -> str | None:
     """The commit that ``revision`` (a branch or tag; None: the default branch) of the hub dataset
     ``name`` is at now, or None where the hub cannot say (offline, unreachable, no such dataset or
@@ -59,7 +62,7 @@ def commit_of(name: str, revision: str | None) -> str | None:
     from huggingface_hub import HfApi
 
     try:
-        return HfApi().dataset_info(name, revision=revision).sha
+        return HfApi().dataset_info(name, revision=revision, timeout=ANSWER_TIMEOUT).sha
     except Exception:
         return None
 
