@@ -661,3 +661,22 @@ def test_json_output_is_strict_json(capsys):
 
     print_json({"loss": float("nan"), "ppl": float("inf"), "scores": [-float("inf"), 1.5], "text": "fünf"})
     assert capsys.readouterr().out == '{"loss": null, "ppl": null, "scores": [null, 1.5], "text": "fünf"}\n'
+
+
+def test_eval_reads_a_run_whose_config_names_its_data_from_home(run_dir, tmp_path, monkeypatch):
+    """A run's config.yaml edited to name its dataset folder as ~/numbers reads that folder, as training would;
+    it said 'no such folder' of a folder that exists."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "numbers").symlink_to(config["data"]["dataset"])
+    monkeypatch.setenv("HOME", str(home))
+    config["data"]["dataset"] = "~/numbers"
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    args = ["--max-samples", "5", "--beam", "1", "--json"]
+    result = runner.invoke(app, ["eval", str(run), *args])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["sentences"] == 5
+    assert json.loads(result.stdout)["bleu"] == json.loads(runner.invoke(app, ["eval", str(run_dir), *args]).stdout)["bleu"]

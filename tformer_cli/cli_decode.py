@@ -148,9 +148,13 @@ def _check_data_files(data_files: list[str] | None) -> list[str] | None:
 
 def _eval_data(data: DataConfig, split: str, data_files: list[str] | None, source_field: str | None,
                target_field: str | None, max_samples: int | None) -> DataConfig:
-    """The run's data settings for ``split``, or ``data_files`` as that split, with eval's overrides."""
+    """The run's data settings for ``split``, or ``data_files`` as that split, with eval's overrides; its
+    paths made absolute as training makes them (a config edited by hand may name ``~/data``)."""
     from dataclasses import replace
 
+    from tformer_cli.data import absolute_paths
+
+    data = absolute_paths(data)
     if data_files:
         data = replace(data, data_files={split: data_files}, format="auto")
     return replace(data, source=source_field or data.source, target=target_field or data.target,
