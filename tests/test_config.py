@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from tformer_cli.cli import app
@@ -187,3 +188,10 @@ def test_bad_config_through_the_cli_is_one_line_per_mistake_and_exit_1(tmp_path)
     for local_rank, said in (("0", True), ("3", False)):
         result = CliRunner().invoke(app, ["train", str(bad)], env={"LOCAL_RANK": local_rank})
         assert result.exit_code == 1 and ("not divisible" in result.output) == said, result.output
+
+
+def test_a_data_files_split_that_would_break_the_line_is_shown_quoted(tmp_path):
+    """A split named with a line break (found by the YAML property test) is one line, as an unknown key is."""
+    bad = tmp_path / "c.yaml"
+    bad.write_text(yaml.safe_dump({"data": {"dataset": None, "data_files": {"tr\nain": None}}}))
+    assert _mistakes(bad) == [f"{bad}: data.data_files.'tr\\nain': expected a file name or a list of them, got None"]

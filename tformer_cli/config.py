@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Optional
 
 import yaml
 
-from tformer_cli.config_parse import apply_override, build_sections, merge, origin, read_yaml
+from tformer_cli.config_parse import apply_override, build_sections, merge, origin, read_yaml, shown_key
 from tformer_cli.errors import ConfigError, brief
 
 
@@ -302,7 +302,7 @@ def _validate_data(d: DataConfig, m: ModelConfig, need: Need) -> None:
          "selects a version of a hub data.dataset, not of data.data_files; remove one of them")
     for split, files in (d.data_files or {}).items():
         paths = files if isinstance(files, list) else [files]
-        need(bool(paths) and all(isinstance(f, str) and f for f in paths), f"data.data_files.{split}",
+        need(bool(paths) and all(isinstance(f, str) and f for f in paths), f"data.data_files.{shown_key(split)}",
              f"expected a file name or a list of them, got {brief(files)}")
     need(d.max_samples is None or d.max_samples > 0, "data.max_samples", f"must be > 0, got {d.max_samples}")
     need(d.max_length >= 3, "data.max_length", f"must be >= 3 (BOS, a token, EOS), got {d.max_length}")

@@ -97,7 +97,7 @@ def apply_override(raw: dict[str, Any], item: str, errors: list[str]) -> str | N
     try:
         value = yaml.load(text, Loader=_UniqueKeyLoader) if text.strip() else None
     except _KeyGivenTwice as exc:  # in a mapping value: a mistake, as in a file
-        errors.append(f"--set {_shown(key.strip())}: {exc.problem}")
+        errors.append(f"--set {shown_key(key.strip())}: {exc.problem}")
         return None
     except yaml.YAMLError:
         value = text
@@ -152,7 +152,7 @@ def _build_section(name: str, cls: type, values: dict[str, Any], errors: list[st
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
-            errors.append(f"{name}.{_shown(key)}: unknown key{_suggest(key, fields)}")
+            errors.append(f"{name}.{shown_key(key)}: unknown key{_suggest(key, fields)}")
             wrong.update(f"{name}.{meant}" for meant in difflib.get_close_matches(str(key), list(fields), n=1))
             continue
         problem, value = check_type(value, hints[key])
@@ -164,13 +164,13 @@ def _build_section(name: str, cls: type, values: dict[str, Any], errors: list[st
     return cls(**kwargs)
 
 
-def _shown(name: Any) -> str:
+def shown_key(name: Any) -> str:
     """A key as written, or quoted (and cut short) where it would break the one-line message."""
     return name if isinstance(name, str) and name.isprintable() and 0 < len(name) <= 60 else brief(name)
 
 
 def _quoted(name: Any) -> str:
-    return f"'{name}'" if _shown(name) == name else _shown(name)
+    return f"'{name}'" if shown_key(name) == name else shown_key(name)
 
 
 def _suggest(name: str, options: typing.Iterable[str]) -> str:
