@@ -195,3 +195,11 @@ def test_a_data_files_split_that_would_break_the_line_is_shown_quoted(tmp_path):
     bad = tmp_path / "c.yaml"
     bad.write_text(yaml.safe_dump({"data": {"dataset": None, "data_files": {"tr\nain": None}}}))
     assert _mistakes(bad) == [f"{bad}: data.data_files.'tr\\nain': expected a file name or a list of them, got None"]
+
+
+def test_a_data_files_split_named_by_a_number_is_a_config_error(tmp_path):
+    """YAML reads `1: t.jsonl` as the number 1; reading the data then failed with a TypeError traceback."""
+    bad = tmp_path / "c.yaml"
+    bad.write_text("data:\n  dataset: null\n  data_files:\n    1: t.jsonl\n    train: t.jsonl\n")
+    assert _mistakes(bad) == [f"{bad}: data.data_files.1: a split is named in text (train, validation, test); "
+                              "quote it"]

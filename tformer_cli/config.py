@@ -301,6 +301,8 @@ def _validate_data(d: DataConfig, m: ModelConfig, need: Need) -> None:
     need(not (d.revision and d.data_files), "data.revision",
          "selects a version of a hub data.dataset, not of data.data_files; remove one of them")
     for split, files in (d.data_files or {}).items():
+        need(isinstance(split, str) and bool(split), f"data.data_files.{shown_key(split)}",
+             "a split is named in text (train, validation, test); quote it")
         paths = files if isinstance(files, list) else [files]
         need(bool(paths) and all(isinstance(f, str) and f for f in paths), f"data.data_files.{shown_key(split)}",
              f"expected a file name or a list of them, got {brief(files)}")
