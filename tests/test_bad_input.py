@@ -172,6 +172,8 @@ def _data_cases() -> list[Case]:
                   ("truncated", '{"en": "one", "de": ', "could not read"), ("binary", BINARY, "not UTF-8 text"),
                   ("non-utf8", '{"en": "one", "de": "eins'.encode() + b"\xff\"}\n", "not UTF-8 text"),
                   ("wrong-type", '{"en": 1, "de": 2}\n', "holds int64, not text"),
+                  ("mixed-types", '{"en": "one", "de": "eins"}\n{"en": "two", "de": 2}\n',
+                   "field 'de' is not all text ({tmp}/d.jsonl: split '"),
                   ("wrong-structure", "[1, 2, 3]\n", "not in the dataset"),
                   ("wrong-fields", '{"fr": "un", "es": "uno"}\n', "field 'en' not in the dataset")],
         "csv": [("empty", "", "the file is empty"), ("non-utf8", b"en,de\none,eins\xff\n", "not UTF-8 text"),

@@ -185,6 +185,20 @@ def _file_pairs(files: list[str], fmt: str, cfg: DataConfig, where: str) -> Arro
     return _columns(_load_files(fmt, files), cfg, where)
 
 
+def _mixed_types(flat, name: str, key: str, where: str) -> DataError:
+    """A text field with a value that is not text (a number, a list) among its texts: the first such row.
+    datasets keeps such a field's values JSON-encoded, so a text value is one that starts with a quote."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    encoded = pa.chunked_array([chunk.storage for chunk in flat.data.column(name).chunks], pa.string())
+    text = pc.or_kleene(pc.starts_with(encoded, '"'), pc.equal(encoded, "null"))
+    row = pc.index(pc.fill_null(text, True), False).as_py()
+    value = encoded[row].as_py() if row >= 0 else "?"
+    return DataError(f"{key}: field '{name}' is not all text ({where}, row {row + 1}: {brief(value)[1:-1]}); "
+                     "make every value of it a string (in JSON, in quotes)")
+
+
 def _not_utf8(where: str, exc: UnicodeDecodeError) -> DataError:
     return DataError(f"{where} is not UTF-8 text (a byte {exc.object[exc.start:exc.start + 1]!r}); convert the "
                      "data to UTF-8, e.g. iconv -t UTF-8")
@@ -461,6 +475,8 @@ def _columns(dataset, cfg: DataConfig, where: str) -> ArrowPairs:
             hint = f"; did you mean '{nested[0]}'?" if len(nested) == 1 else ""
             raise DataError(f"{key}: field '{name}' not in the dataset (fields: {', '.join(flat.column_names)}){hint}")
         feature = flat.features[name]
+        if type(feature).__name__ == "Json":  # datasets' type for a field whose values differ in type
+            raise _mixed_types(flat, name, key, where)
         if getattr(feature, "dtype", None) not in ("string", "large_string", "null"):
             raise DataError(f"{key}: field '{name}' holds {getattr(feature, 'dtype', None) or type(feature).__name__}"
                             ", not text; point it at a text field")
