@@ -290,20 +290,30 @@ def test_a_disk_full_at_an_epochs_bpe_dropout_segmentation_is_one_line_and_the_r
     assert resumed.exit_code == 0 and json.loads(resumed.stdout)["step"] == 14
 
 
-def test_a_run_that_cannot_write_its_first_checkpoint_says_what_to_fix_and_to_run_again(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fails", ["every write", "the checkpoint after the best weights"])
+def test_a_run_that_cannot_write_its_first_checkpoint_says_what_to_fix_and_the_command_that_starts_it_again(
+        tmp_path, monkeypatch, fails):
+    """Whether or not the best weights were written before it: the run folder holds a run, so typing the
+    first command again would be refused; the one the error gives starts the run again."""
     import tformer_cli.runtime as runtime
 
     def read_only(model, filename, *args, **kwargs):
-        raise OSError(30, "Read-only file system")
+        if fails == "every write" or "checkpoints" in str(filename):
+            raise OSError(30, "Read-only file system")
+        real(model, filename, *args, **kwargs)
 
+    real, run = runtime.save_model, tmp_path / "run"
     monkeypatch.setattr(runtime, "save_model", read_only)
-    config = write_config(tmp_path / "t.yaml", train={"max_steps": 2, "save_every": 1})
-    result = _train(config, "--output-dir", tmp_path / "run")
+    config = write_config(tmp_path / "t.yaml", train={"max_steps": 2, "eval_every": 1, "save_every": 1})
+    result = _train(config, "--output-dir", run)
     assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert (run / "model.safetensors").is_file() == (fails != "every write")
+    again = f"tformer train --resume {run}"
     assert ("Read-only file system); nothing was replaced; no checkpoint was written yet: make the folder writable, "
-            "then run the command again") in " ".join(result.stderr.split())
+            f"then start it again with {again}") in " ".join(result.stderr.split())
     monkeypatch.undo()
-    assert _train(config, "--output-dir", tmp_path / "run").exit_code == 0  # as it said: the same command
+    resumed = _train(*again.split()[2:], "--json")
+    assert resumed.exit_code == 0 and json.loads(resumed.stdout)["step"] == 2, resumed.output
 
 
 def test_a_disk_full_when_figures_are_logged_is_one_line_naming_the_checkpoint_to_resume_from(tmp_path, monkeypatch):

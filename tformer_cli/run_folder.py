@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +33,14 @@ _AVERAGE_FOLDER = re.compile(r"average-[\w.-]+")
 _CHECKPOINT_FOLDER = re.compile(rf"step-\d{{8}}|ema|{_AVERAGE_FOLDER.pattern}")
 _EVENT_FILE = re.compile(r"events\.out\.tfevents\.[\w.-]+")
 _WRITERS_TEMPORARY = re.compile(r"\.tmp\w{6,}")  # safetensors' own, beside a file it was killed writing
+
+
+def start_again(run_dir: Path | None) -> str:
+    """The command that starts again a run stopped before its first checkpoint: once its config.yaml is
+    written, a resume (which, with no checkpoint, starts afresh from it); before, the command as typed."""
+    if run_dir is not None and (run_dir / CONFIG).is_file():
+        return f"tformer train --resume {run_dir}"
+    return shlex.join(["tformer", *sys.argv[1:]])
 
 
 def mark_run_folder(run_dir: Path) -> None:

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from tformer_cli.errors import CheckpointError
 from tformer_cli.files import WriteFailed
+from tformer_cli.run_folder import start_again
 from tformer_cli.runtime import step_checkpoints, unwrapped
 
 
@@ -109,8 +110,11 @@ def writing(run_dir: Path) -> Iterator[None]:
         yield
     except WriteFailed as exc:
         last = step_checkpoints(run_dir)
-        then = (f"the last checkpoint, {last[-1].name}, is intact: {exc.fix}, then resume with tformer train "
-                f"--resume {run_dir}") if last else f"no checkpoint was written yet: {exc.fix}, then run the command again"
+        if last:
+            then = f"the last checkpoint, {last[-1].name}, is intact: {exc.fix}, then resume with tformer train " \
+                   f"--resume {run_dir}"
+        else:
+            then = f"no checkpoint was written yet: {exc.fix}, then start it again with {start_again(run_dir)}"
         raise CheckpointError(f"{exc.what}; {then}") from exc
 
 

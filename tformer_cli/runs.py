@@ -8,10 +8,8 @@ model's shape and its vocabulary.
 
 from __future__ import annotations
 
-import shlex
 import shutil
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +20,7 @@ from tformer_cli.config import Config, load_config
 from tformer_cli.data import absolute_paths, pin_revision
 from tformer_cli.devices import resolve_device
 from tformer_cli.errors import CheckpointError, Interrupted, UsageError
-from tformer_cli.run_folder import CONFIG, MARKER, WEIGHTS, check_not_held, foreign_files, is_marked
+from tformer_cli.run_folder import CONFIG, MARKER, WEIGHTS, check_not_held, foreign_files, is_marked, start_again
 from tformer_cli.runtime import step_checkpoints
 
 
@@ -173,6 +171,4 @@ def stop_message(signum: int, run_dir: Path | None) -> str:
     last = step_checkpoints(run_dir) if run_dir is not None else []
     if last:
         return f"stopped by {name}; checkpoint {last[-1]}; resume with: tformer train --resume {run_dir}"
-    again = f"tformer train --resume {run_dir}" if run_dir is not None and (run_dir / CONFIG).is_file() \
-        else shlex.join(["tformer", *sys.argv[1:]])  # a resume of a run with no checkpoint starts it afresh
-    return f"stopped by {name} before the first checkpoint; start it again with: {again}"
+    return f"stopped by {name} before the first checkpoint; start it again with: {start_again(run_dir)}"
