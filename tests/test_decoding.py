@@ -65,7 +65,8 @@ def test_beam_of_one_equals_greedy(model):
 def _uncached_beam(model, src_row, options, limit):
     """Reference: one sentence, K beams each recomputed from scratch at every step, in plain Python:
     the 2K best expansions, those ending in EOS among the first K finish, the K best others go on;
-    stop once no live beam can beat the nbest finished (scores only fall), or at the length limit."""
+    stop once no live beam can beat the nbest finished (scores only fall), or at the length limit, where
+    the live beams end too."""
     K, alpha = options.beam_size, options.length_penalty
     penalty = lambda length: ((5 + length) / 6) ** alpha  # noqa: E731
     beams, finished = [([], 0.0)], []  # (tokens, score)
@@ -79,9 +80,8 @@ def _uncached_beam(model, src_row, options, limit):
         best = expansions[:2 * K]
         finished += [(tokens, score, score / penalty(t + 1)) for score, tokens, token in best[:K] if token == EOS_ID]
         beams = [(tokens + [token], score) for score, tokens, token in best if token != EOS_ID][:K]
-        if t + 1 >= limit:
-            missing = options.nbest - len(finished)
-            finished += [(tokens, score, score / penalty(t + 1)) for tokens, score in beams[:max(missing, 0)]]
+        if t + 1 >= limit:  # the live beams end too, and compete
+            finished += [(tokens, score, score / penalty(t + 1)) for tokens, score in beams]
             break
         if len(finished) >= options.nbest and max(f[2] for f in finished) >= beams[0][1] / penalty(limit):
             break
@@ -103,6 +103,22 @@ def test_batched_beam_search_equals_a_reference_beam_per_sentence(alpha, nbest, 
             assert [h.tokens for h in hyps] == [f[0] for f in reference]
             assert [h.score for h in hyps] == pytest.approx([f[1] for f in reference], abs=1e-4)
             assert [h.normalized for h in hyps] == pytest.approx([f[2] for f in reference], abs=1e-4)
+
+
+def test_at_the_length_limit_a_live_beam_beats_a_worse_finished_hypothesis(model):
+    """With room for one token, beam search's best is greedy's: the likeliest first token, EOS or not,
+    also where EOS is among the K best but a word is better (a sentence cut at its limit competes with
+    the hypotheses that finished, as in Hugging Face's generate)."""
+    src = torch.randint(4, VOCAB, (32, 7))
+    src[:, -1] = EOS_ID
+    with torch.no_grad():
+        first = model(src, torch.full((32, 1), BOS_ID))[:, 0]
+    ranks = (first > first[:, EOS_ID:EOS_ID + 1]).sum(dim=-1)  # tokens likelier than EOS
+    assert ((ranks > 0) & (ranks < 4)).any()  # EOS finishes a hypothesis, but a word is likelier
+    greedy = greedy_or_sample(model, src, DecodeOptions(max_len_a=0, max_len_b=1))
+    beam = beam_search(model, src, DecodeOptions(beam_size=4, length_penalty=0.6, max_len_a=0, max_len_b=1))
+    assert [b[0].tokens for b in beam] == [g.tokens for g in greedy]
+    assert [b[0].tokens for b in beam] == [[] if t == EOS_ID else [t] for t in first.argmax(dim=-1).tolist()]
 
 
 def test_beam_search_scores_at_least_as_well_as_greedy(model):

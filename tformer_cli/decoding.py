@@ -274,8 +274,9 @@ def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_sco
 
     With alpha >= 0, a live beam's best reachable normalised score is its current score (scores only
     fall) divided by the largest penalty it can still get, at its length limit. ``live_scores`` (n, K)
-    is on the host. Also returns the live beams that end at their sentence's length limit, without
-    EOS, as many as it lacks of ``nbest``: (sentence, row, score) each.
+    is on the host. Also returns the live beams at their sentence's length limit, (sentence, row, score)
+    each: they end there without EOS and compete with the finished hypotheses, as in Hugging Face's
+    ``generate`` (a hypothesis that ended early with a poor score does not beat a better one cut short).
     """
     done, ends = [], []
     K = live_scores.shape[1]
@@ -283,9 +284,7 @@ def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_sco
     for row, sentence in enumerate(alive):
         hyps = finished[sentence]
         if length >= limits[sentence]:
-            missing = options.nbest - len(hyps)
-            ends += [(sentence, row * K + k, score) for k, score in enumerate(live[row][:max(missing, 0)])
-                     if score > float("-inf")]
+            ends += [(sentence, row * K + k, score) for k, score in enumerate(live[row]) if score > float("-inf")]
             done.append(True)
             continue
         bound = live[row][0] / _length_penalty(limits[sentence], options.length_penalty)

@@ -225,12 +225,12 @@ class BeamState:
         self.history.index_copy_(1, position, token[:, None])
         self.scores.copy_(live_scores)
         decoders.advance(token, origin)
-        # a sentence is done at its length limit (ending its best live beam there if nothing has
-        # finished), or when no live beam can reach its best hypothesis's normalised score
+        # a sentence is done at its length limit (where its best live beam ends, and is its best
+        # hypothesis if it scores better), or when no live beam can reach its best normalised score
         at_limit = self.active & (length >= self.limits)
-        fill = at_limit & ~self.found & (live_scores[:, 0] > float("-inf"))
-        self._keep_best(fill, self.first_row.view(-1), length.expand(B), live_scores[:, 0],
-                        live_scores[:, 0].double() / penalty)
+        cut = live_scores[:, 0].double() / penalty
+        fill = at_limit & (live_scores[:, 0] > float("-inf")) & (cut > self.best_normalized)
+        self._keep_best(fill, self.first_row.view(-1), length.expand(B), live_scores[:, 0], cut)
         self.found |= fill
         reachable = live_scores[:, 0].double() / self.limit_penalty
         self.active &= ~(at_limit | (self.found & (self.best_normalized >= reachable)))
