@@ -310,6 +310,7 @@ def _argument_cases() -> list[Case]:
         (gen + ["seven", "--temperature", "-1"], "--temperature -1"), (gen + ["seven", "--mbr", "1"], "--mbr 1: must be >= 2"),
         (gen + ["seven", "--prefix", "€"], "no token for '€'"),
         (gen + ["seven", "--sample", "--beam", "3"], "drop --beam-size"),
+        (gen + ["seven", "--min-len", "5", "--max-new-tokens", "3"], "--min-len 5 is more than --max-new-tokens 3"),
         (gen + ["seven", "--device", "gpu"], "--device gpu: expected auto, cpu or cuda"),
         (gen + ["seven", "--precision", "int4"], "use auto, fp32, bf16 or fp16"),
         (gen + [b"seven \xff".decode("utf-8", "surrogateescape")], "TEXTS: not UTF-8 text"),

@@ -236,7 +236,8 @@ def generate(
     check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
     check_mode(accel)
     check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
-    _check_generate_flags(texts or [], prefix, sample, beam_size, mbr, mbr_candidates, json_input)
+    _check_generate_flags(texts or [], prefix, sample, beam_size, mbr, mbr_candidates, json_input, min_len,
+                          max_new_tokens)
     dev = resolve_device(device or "auto")
     loaded, models, translate = _translator(engine, ensemble_runs(run, ensemble), dev, accel,
                                             resolve_precision(precision, dev))
@@ -297,8 +298,12 @@ def _input_batches(texts: list[str] | None, prefix: str | None, json_input: bool
 
 
 def _check_generate_flags(texts: list[str], prefix: str | None, sample: bool, beam_size: int | None, mbr: int,
-                          mbr_candidates: str, json_input: bool) -> None:
+                          mbr_candidates: str, json_input: bool, min_len: int | None,
+                          max_new_tokens: int | None) -> None:
     """The combinations of generate's flags that cannot work, and texts that are not UTF-8."""
+    if min_len is not None and max_new_tokens is not None and min_len > max_new_tokens:
+        raise UsageError(f"--min-len {min_len} is more than --max-new-tokens {max_new_tokens}: no output can be both; "
+                         "lower --min-len or raise --max-new-tokens")
     if sample and beam_size is not None and beam_size > 1:
         raise UsageError(f"--beam-size {beam_size} with --sample: sampling draws each token at random, not by beam "
                          "search; drop --beam-size (--nbest N draws N samples)")
