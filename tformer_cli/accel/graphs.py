@@ -181,8 +181,7 @@ class BeamState:
         self.best_tokens = torch.full((B, L), EOS_ID, dtype=torch.long, device=device)
         self.best_length = torch.zeros(B, dtype=torch.long, device=device)
         self.best_score = torch.zeros(B, device=device)
-        self.best_normalized = torch.full((B,), float("-inf"), dtype=torch.float64, device=device)
-        self.found = torch.zeros(B, dtype=torch.bool, device=device)  # has a finished hypothesis
+        self.best_normalized = torch.full((B,), float("-inf"), dtype=torch.float64, device=device)  # -inf: none yet
         self.active = torch.ones(B, dtype=torch.bool, device=device)  # not yet done (beam_search: in the batch)
         self.limit_penalty = self._penalty(limits)  # (B,): the largest a sentence's beams can reach
 
@@ -217,7 +216,6 @@ class BeamState:
         ending_row = (self.first_row + top_beam.gather(1, col[:, None])).view(-1)
         self._keep_best(self.active & (best_new > self.best_normalized), ending_row, position.expand(B),
                         top_scores.gather(1, col[:, None]).view(-1), best_new)
-        self.found |= self.active & is_eos[:, :K].any(dim=-1)
         # the K best candidates that do not end continue
         origin = (top_beam.gather(1, pick) + self.first_row).view(-1)  # (B * K,)
         token = top_token.gather(1, pick).view(-1)
@@ -229,11 +227,10 @@ class BeamState:
         # hypothesis if it scores better), or when no live beam can reach its best normalised score
         at_limit = self.active & (length >= self.limits)
         cut = live_scores[:, 0].double() / penalty
-        fill = at_limit & (live_scores[:, 0] > float("-inf")) & (cut > self.best_normalized)
-        self._keep_best(fill, self.first_row.view(-1), length.expand(B), live_scores[:, 0], cut)
-        self.found |= fill
-        reachable = live_scores[:, 0].double() / self.limit_penalty
-        self.active &= ~(at_limit | (self.found & (self.best_normalized >= reachable)))
+        self._keep_best(at_limit & (cut > self.best_normalized), self.first_row.view(-1), length.expand(B),
+                        live_scores[:, 0], cut)
+        reachable = live_scores[:, 0].double() / self.limit_penalty  # -inf (no live beam) reaches nothing
+        self.active &= ~(at_limit | (self.best_normalized >= reachable))
 
     def over(self) -> Tensor:
         return ~self.active.any()
