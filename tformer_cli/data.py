@@ -193,9 +193,8 @@ def _mixed_types(flat, name: str, key: str, where: str) -> DataError:
 
     encoded = pa.chunked_array([chunk.storage for chunk in flat.data.column(name).chunks], pa.string())
     text = pc.or_kleene(pc.starts_with(encoded, '"'), pc.equal(encoded, "null"))
-    row = pc.index(pc.fill_null(text, True), False).as_py()
-    value = encoded[row].as_py() if row >= 0 else "?"
-    return DataError(f"{key}: field '{name}' is not all text ({where}, row {row + 1}: {brief(value)[1:-1]}); "
+    row = pc.index(pc.fill_null(text, True), False).as_py()  # datasets mixes types only when one is not text
+    return DataError(f"{key}: field '{name}' is not all text ({where}, row {row + 1}: {encoded[row].as_py():.40}); "
                      "make every value of it a string (in JSON, in quotes)")
 
 
