@@ -360,6 +360,37 @@ def test_eval_with_an_ensemble_no_repeat_ngram_and_mbr(trained_run):
     assert "+ 1 more (ensemble) · validation · MBR over 3 beam hypotheses (chrf)" in title
 
 
+def test_an_ensemble_with_fewer_positions_than_the_first_runs_data_cuts_inputs_to_them(trained_run, tmp_path):
+    """The same weights as a run of 16 positions (sinusoidal: the table is not saved): ensembled with the
+    full run, eval's loss and scores and generate's outputs are those of the short run alone, whose
+    pairs and inputs are cut at 16 tokens."""
+    import shutil
+
+    import yaml
+
+    short = tmp_path / "short"
+    shutil.copytree(trained_run, short)
+    config = yaml.safe_load((short / "config.yaml").read_text())
+    config["model"]["max_len"] = config["data"]["max_length"] = 16
+    (short / "config.yaml").write_text(yaml.safe_dump(config))
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"en": " ".join(["seven"] * n), "de": " ".join(["sieben"] * n)}) + "\n"
+                            for n in (3, 20, 30)))
+    alone = runner.invoke(app, ["eval", str(short), "--data-files", str(data), "--beam", "2", "--json"])
+    assert alone.exit_code == 0, alone.output
+    together = runner.invoke(app, ["eval", str(trained_run), "--ensemble", str(short), "--data-files", str(data),
+                                   "--beam", "2", "--json"])
+    assert together.exit_code == 0, together.output
+    alone, together = json.loads(alone.stdout), json.loads(together.stdout)
+    for key in ("loss", "bleu", "chrf"):
+        assert together[key] == pytest.approx(alone[key], abs=1e-4), key
+    text = " ".join(["seven"] * 30)
+    alone = runner.invoke(app, ["generate", str(short), text])
+    together = runner.invoke(app, ["generate", str(trained_run), "--ensemble", str(short), text])
+    assert together.exit_code == 0 and together.stdout == alone.stdout
+    assert "input longer than the model's 16 positions was truncated" in together.stderr
+
+
 def test_decoding_mistakes_get_one_line(trained_run, tmp_path):
     import shutil
 

@@ -259,7 +259,7 @@ def generate(
         for result in translate([text for text, _ in chunk], options, batch_size, prefixes if any(prefixes) else None,
                                 max_tokens):
             if result.truncated:
-                warn(f"input longer than the model's {loaded.config.model.max_len} positions was truncated: "
+                warn(f"input longer than the model's {models.max_len} positions was truncated: "
                      f"{result.source[:40]}…")
             generation_lines(result, json_output, number, loaded.vocab if align else None)
             number += 1

@@ -235,7 +235,9 @@ def evaluate_run(model: torch.nn.Module | Ensemble, vocab: Vocabulary, data_cfg:
     if empty == len(pairs):
         raise DataError(f"every reference ({data_cfg.target}) of split '{split}' is empty: eval scores "
                         "translations against references; to translate without them, use tformer generate")
-    encoded = encode_split(pairs, vocab, replace(data_cfg, long_pairs="truncate"))
+    # pairs cut to the positions of every model: an ensemble's may have fewer than the first run's data takes
+    limit = min(data_cfg.max_length, as_ensemble(model).max_len)
+    encoded = encode_split(pairs, vocab, replace(data_cfg, long_pairs="truncate", max_length=limit))
     loss = evaluate_loss(model, encoded, loss_tokens, device, batch_multiple)
     start = time.perf_counter()
     results = translate(model, vocab, [source for source, _ in pairs], options, batch_size, device,
