@@ -161,6 +161,7 @@ def _set_cases() -> list[Case]:
             ("train.lr=-1", "train.lr: must be > 0"), ("model.d_model=[1", "model.d_model: expected an integer"),
             ("model.num_heads=7", "not divisible"), ("data.vocab_size=1e9x", "expected an integer"),
             ("train.max_steps=0", "train.max_steps: must be > 0"), ("decode.beam_size=-2", "must be >= 1"),
+            ("decode.min_len=64", "decode.min_len: 64: the model's 64 positions (model.max_len) hold at most 63"),
             ("train.lr=.nan", "expected a finite number"), ("model=1", "expected section.key=value")]
     return [Case(f"set/{item}", TRAIN + ["--set", item], expect, files={"c.yaml": GOOD}) for item, expect in sets]
 
@@ -311,6 +312,8 @@ def _argument_cases() -> list[Case]:
         (gen + ["seven", "--prefix", "€"], "no token for '€'"),
         (gen + ["seven", "--sample", "--beam", "3"], "drop --beam-size"),
         (gen + ["seven", "--min-len", "5", "--max-new-tokens", "3"], "--min-len 5 is more than --max-new-tokens 3"),
+        (gen + ["seven", "--min-len", "64"], "--min-len 64: the model's 64 positions hold at most 63 output tokens"),
+        (["eval", "{run}", "--min-len", "64"], "--min-len 64: the model's 64 positions hold at most 63 output tokens"),
         (gen + ["seven", "--device", "gpu"], "--device gpu: expected auto, cpu or cuda"),
         (gen + ["seven", "--precision", "int4"], "use auto, fp32, bf16 or fp16"),
         (gen + [b"seven \xff".decode("utf-8", "surrogateescape")], "TEXTS: not UTF-8 text"),

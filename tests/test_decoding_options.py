@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from conftest import tiny_model_config
 from tformer_cli.cli import app
 from tformer_cli.decoding import DecodeOptions, beam_search, decode_batch, greedy_or_sample, translate
-from tformer_cli.decoding_rules import Pieces, Prefix
+from tformer_cli.decoding_rules import Pieces, Prefix, max_new_tokens
 from tformer_cli.ensemble import Ensemble
 from tformer_cli.mbr import expected_utilities, rank, sentence_metric
 from tformer_cli.model import build_model
@@ -136,6 +136,15 @@ def test_min_len_holds_for_greedy_beam_and_sampling():
         assert all(len(h.tokens) == 9 for hyps in decode_batch(model, src, options) for h in hyps)
     free = [len(h.tokens) for h in greedy_or_sample(model, src, DecodeOptions(**LIMIT))]
     assert min(free) < 9
+
+
+def test_a_min_len_past_the_length_limit_raises_the_limit_to_it_within_the_models_positions():
+    model, src = _model(), _sources()
+    for options in (DecodeOptions(min_len=9, max_len_a=0, max_len_b=4),
+                    DecodeOptions(beam_size=3, min_len=9, max_len_a=0.5, max_len_b=1),
+                    DecodeOptions(sample=True, seed=2, nbest=3, min_len=9, max_len_a=0, max_len_b=4)):
+        assert all(len(h.tokens) == 9 for hyps in decode_batch(model, src, options) for h in hyps)
+    assert max_new_tokens(src, PAD_ID, DecodeOptions(min_len=90), 64).tolist() == [63] * len(src)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -177,6 +177,10 @@ def test_generate_with_the_ctranslate2_engine_translates_as_tformer_does(trained
         assert [r["outputs"] for r in theirs] == [r["outputs"] for r in ours], args
         if len(args) == 4:  # tformer's scores count a forced prefix, and do not renormalize after --min-len
             assert [r["scores"][0] for r in theirs] == pytest.approx([r["scores"][0] for r in ours], abs=2e-3)
+    ours, theirs = (_generate(trained_run, "--beam", "1", "--min-len", "40", *engine)  # past every a * length + b
+                    for engine in ([], ["--engine", "ctranslate2"]))
+    assert [r["outputs"] for r in theirs] == [r["outputs"] for r in ours]
+    assert all(len(r["output_tokens"][0]) == 40 for r in _generate(trained_run, "--min-len", "40", "--align"))
     beams = _generate(trained_run, "--beam", "4", "--nbest", "2", "--engine", "ctranslate2")
     assert all(len(r["outputs"]) == 2 for r in beams)
     assert len(_generate(trained_run, "--engine", "ctranslate2", "--precision", "int8")) == len(TEXTS)

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 EnsembleOpt = Annotated[Optional[list[str]], typer.Option(
     "--ensemble", metavar="RUN[,RUN...]",
     help="Decode with these runs too (same vocabulary): their next-token probabilities are averaged.")]
-MinLenOpt = Annotated[Optional[int], typer.Option(help="decode.min_len: no end of sentence before N tokens.")]
+MinLenOpt = Annotated[Optional[int], typer.Option(
+    help="decode.min_len: no end of sentence before N tokens (the length limit makes room for them).")]
 NoRepeatOpt = Annotated[Optional[int], typer.Option(
     "--no-repeat-ngram", help="decode.no_repeat_ngram: no N-gram occurs twice in an output.")]
 MbrOpt = Annotated[int, typer.Option(
@@ -119,6 +120,7 @@ def eval_command(
                                         min_len=min_len, no_repeat_ngram=no_repeat_ngram, mbr=mbr,
                                         mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, epsilon=epsilon,
                                         seed=seed)
+    check_min_len(options.min_len, models.max_len)
     with amp:
         result = evaluate_run(models, loaded.vocab, data, split, options, batch_size or config.decode.batch_size,
                               loss_tokens=config.train.max_tokens, device=dev,
@@ -251,6 +253,7 @@ def generate(
         top_k=top_k, top_p=top_p, epsilon=epsilon, seed=seed, nbest=nbest, length_penalty=length_penalty,
         min_len=min_len, no_repeat_ngram=no_repeat_ngram, align_layer=(align_layer or layers) - 1 if align else None,
         mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
+    check_min_len(options.min_len, models.max_len)
     batch_size, max_tokens = batch_size or loaded.config.decode.batch_size, max_tokens or loaded.config.decode.max_tokens
     number = 0
     for chunk in _input_batches(texts, prefix, json_input, loaded.vocab,
@@ -339,6 +342,13 @@ def check_hypotheses_file(output: Path, data: DataConfig) -> None:
     if not is_stream(output):  # opened and closed, a pipe's reader would see its end
         output.parent.mkdir(parents=True, exist_ok=True)
         open(output, "a").close()
+
+
+def check_min_len(min_len: int, max_len: int) -> None:
+    """--min-len (or decode.min_len) within the positions of the model (the shortest of an ensemble's)."""
+    if min_len > max_len - 1:
+        raise UsageError(f"--min-len {min_len}: the model's {max_len} positions hold at most {max_len - 1} output "
+                         "tokens; lower it")
 
 
 def check_prefix(vocab: Vocabulary, where: str, prefix: str | None) -> None:

@@ -158,9 +158,9 @@ class DecodeConfig:
 
     beam_size: int = 4  # 1: greedy
     length_penalty: float = 0.6  # GNMT alpha
-    max_len_a: float = 1.2  # output length limit: a * source_length + b
+    max_len_a: float = 1.2  # output length limit: a * source_length + b (at least min_len; within model.max_len)
     max_len_b: int = 10  # see max_len_a
-    min_len: int = 0  # no end of sentence before this many output tokens
+    min_len: int = 0  # no end of sentence before this many output tokens (the length limit makes room for them)
     no_repeat_ngram: int = 0  # n > 0: no n-gram of output tokens occurs twice (fairseq's no_repeat_ngram_size)
     batch_size: Optional[int] = None  # sentences per batch; null: 256 hypotheses (64 sentences at beam 4), or max_tokens
     max_tokens: Optional[int] = None  # at most this many hypothesis tokens a batch (sentences x beam x longest source)
@@ -270,6 +270,9 @@ def validate(config: Config) -> list[str]:
     for key, (ok, expected) in DECODE_LIMITS.items():
         value = getattr(config.decode, key)
         need(ok(value), f"decode.{key}", f"must be {expected}, got {value}")
+    need(config.decode.min_len < config.model.max_len, "decode.min_len",
+         f"{config.decode.min_len}: the model's {config.model.max_len} positions (model.max_len) hold at most "
+         f"{config.model.max_len - 1} output tokens; lower it")
     return errors
 
 

@@ -85,7 +85,7 @@ class CTranslate2Engine:
         lengths = [len(sources[i]) + 1 for i in order]  # ascending, EOS included
         for batch in decoding_batches(lengths, options, batch_size, max_tokens):
             chunk, longest = order[batch.start:batch.stop], lengths[batch.stop - 1]
-            limit = min(int(options.max_len_a * longest + options.max_len_b), self.max_len - 1)
+            limit = min(max(int(options.max_len_a * longest + options.max_len_b), options.min_len), self.max_len - 1)
             prefix = [forced[i] for i in chunk] if forced is not None and any(forced[i] for i in chunk) else None
             if prefix is not None:
                 limit = max(limit, max(len(p) for p in prefix) + 1)

@@ -97,13 +97,13 @@ class Prefix:
 
 def max_new_tokens(src: Tensor, pad_id: int, options: DecodeOptions, model_max_len: int,
                    prefix: Prefix | None = None) -> Tensor:
-    """(B,) output length limits: a * source_length + b, and room for a prefix spelled a character a
-    token and one token past it, within the model's positions."""
+    """(B,) output length limits: a * source_length + b, room for ``min_len`` tokens, and room for a
+    prefix spelled a character a token and one token past it, within the model's positions."""
     src_len = (src != pad_id).sum(dim=1).float()
     limit = (options.max_len_a * src_len + options.max_len_b).long()
     if prefix is not None:
         limit = torch.maximum(limit, prefix.lengths(src.device) + 1)
-    return limit.clamp(min=1, max=model_max_len - 1)
+    return limit.clamp(min=max(options.min_len, 1)).clamp(max=model_max_len - 1)
 
 
 def constrain(log_probs: Tensor, t: int, options: DecodeOptions, history: Tensor | None,
