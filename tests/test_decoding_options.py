@@ -2,6 +2,7 @@
 against a reference: recomputation without a cache, sacreBLEU's own scores, the single model."""
 
 import json
+import math
 from collections import Counter
 
 import pytest
@@ -136,6 +137,20 @@ def test_min_len_holds_for_greedy_beam_and_sampling():
         assert all(len(h.tokens) == 9 for hyps in decode_batch(model, src, options) for h in hyps)
     free = [len(h.tokens) for h in greedy_or_sample(model, src, DecodeOptions(**LIMIT))]
     assert min(free) < 9
+
+
+def test_where_the_ngram_ban_leaves_only_eos_before_min_len_the_output_ends_there():
+    """With no token twice and EOS forbidden for 30 tokens, a vocabulary of VOCAB tokens runs out after
+    its VOCAB - 1 others: each search then ends the sentence (it used to pick a -inf token, return no
+    hypothesis, or fail in sampling)."""
+    model, src = _model(), _sources()
+    for options in (DecodeOptions(no_repeat_ngram=1, min_len=30, max_len_a=0, max_len_b=30),
+                    DecodeOptions(beam_size=3, nbest=2, no_repeat_ngram=1, min_len=30, max_len_a=0, max_len_b=30),
+                    DecodeOptions(sample=True, seed=2, no_repeat_ngram=1, min_len=30, max_len_a=0, max_len_b=30)):
+        for hyps in decode_batch(model, src, options):
+            assert len(hyps) == options.nbest
+            for h in hyps:
+                assert sorted(h.tokens) == [tok for tok in range(VOCAB) if tok != EOS_ID] and math.isfinite(h.score)
 
 
 def test_a_min_len_past_the_length_limit_raises_the_limit_to_it_within_the_models_positions():

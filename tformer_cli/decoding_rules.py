@@ -112,15 +112,20 @@ def constrain(log_probs: Tensor, t: int, options: DecodeOptions, history: Tensor
     (b, V), given the row's tokens so far ``history`` (b, t) and, from ``Prefix.inside``, the rows still
     inside their prefix with the tokens it allows them: no EOS before ``min_len`` tokens, no repeated
     n-gram, and inside a prefix only what the prefix allows (with their own log-probabilities, so
-    that the prefix counts in the score)."""
+    that the prefix counts in the score). A row that the n-gram ban leaves no token but EOS ends
+    there, short of ``min_len``: no output could have both."""
     kept = None
     if inside is not None:
         rows, allowed = inside
         kept = log_probs[rows].masked_fill_(~allowed, float("-inf"))
-    if t < options.min_len:
+    eos = log_probs[:, EOS_ID].clone() if t < options.min_len else None
+    if eos is not None:
         log_probs[:, EOS_ID] = float("-inf")
     if options.no_repeat_ngram:
         ban_repeats(log_probs, history, options.no_repeat_ngram)
+        if eos is not None:
+            stuck = log_probs.amax(dim=-1) == float("-inf")  # (b,)
+            log_probs[:, EOS_ID] = torch.where(stuck, eos, log_probs[:, EOS_ID])
     if kept is not None:
         log_probs[rows] = kept
 
