@@ -64,9 +64,9 @@ def test_beam_of_one_equals_greedy(model):
 
 def _uncached_beam(model, src_row, options, limit):
     """Reference: one sentence, K beams each recomputed from scratch at every step, in plain Python:
-    the 2K best expansions, those ending in EOS among the first K finish, the K best others go on;
-    stop once no live beam can beat the nbest finished (scores only fall), or at the length limit, where
-    the live beams end too."""
+    the 2K best expansions, those ending in EOS among the first K finish, the K best others go on, up
+    to the length limit, where the live beams end too. It never stops early: finished hypotheses do not
+    change the live beams, so an early stop must not change which nbest come out."""
     K, alpha = options.beam_size, options.length_penalty
     penalty = lambda length: ((5 + length) / 6) ** alpha  # noqa: E731
     beams, finished = [([], 0.0)], []  # (tokens, score)
@@ -82,8 +82,6 @@ def _uncached_beam(model, src_row, options, limit):
         beams = [(tokens + [token], score) for score, tokens, token in best if token != EOS_ID][:K]
         if t + 1 >= limit:  # the live beams end too, and compete
             finished += [(tokens, score, score / penalty(t + 1)) for tokens, score in beams]
-            break
-        if len(finished) >= options.nbest and max(f[2] for f in finished) >= beams[0][1] / penalty(limit):
             break
     return sorted(finished, key=lambda f: -f[2])[:options.nbest]
 
@@ -103,6 +101,31 @@ def test_batched_beam_search_equals_a_reference_beam_per_sentence(alpha, nbest, 
             assert [h.tokens for h in hyps] == [f[0] for f in reference]
             assert [h.score for h in hyps] == pytest.approx([f[1] for f in reference], abs=1e-4)
             assert [h.normalized for h in hyps] == pytest.approx([f[2] for f in reference], abs=1e-4)
+
+
+@pytest.mark.parametrize("seed, alpha", [(1, 0.0), (1, 0.6), (2, 1.0), (8, 0.6)])
+def test_stopping_a_sentence_early_never_changes_its_nbest_hypotheses(seed, alpha, monkeypatch):
+    """Finished hypotheses do not steer the live beams, so a search run to every sentence's length limit
+    finds what an early stop must keep: the nbest best, not only the best (these seeds' sentences had
+    a live beam that would beat the third hypothesis once the first could no longer be beaten)."""
+    from tformer_cli import decoding
+
+    torch.manual_seed(seed)
+    model = build_model(tiny_model_config(), VOCAB).eval()
+    with torch.no_grad():
+        model.output_proj.weight[EOS_ID] *= 3
+    src = torch.randint(4, VOCAB, (6, 7), generator=torch.Generator().manual_seed(seed))
+    src[:, -1] = EOS_ID
+    options = DecodeOptions(beam_size=4, nbest=3, length_penalty=alpha, max_len_a=0, max_len_b=12)
+    early = beam_search(model, src, options)
+    done = decoding._sentences_done
+
+    def at_the_limit_only(finished, alive, live_scores, length, limits, options):
+        return [length >= limits[s] for s in alive], done(finished, alive, live_scores, length, limits, options)[1]
+
+    monkeypatch.setattr(decoding, "_sentences_done", at_the_limit_only)
+    full = beam_search(model, src, options)
+    assert [[h.tokens for h in hyps] for hyps in early] == [[h.tokens for h in hyps] for hyps in full]
 
 
 def test_at_the_length_limit_a_live_beam_beats_a_worse_finished_hypothesis(model):

@@ -188,8 +188,8 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
                 prefix: Prefix | None = None) -> list[list[Hypothesis]]:
     """Beam search batched over sentences and beams, with GNMT length normalisation.
 
-    A sentence stops when its best finished hypothesis beats the best score any live beam could
-    still reach; finished sentences leave the batch. Returns ``nbest`` hypotheses per sentence, each
+    A sentence stops when its nbest-th best finished hypothesis beats the best score any live beam
+    could still reach; finished sentences leave the batch. Returns ``nbest`` hypotheses per sentence, each
     starting with its sentence's ``prefix``. On a GPU, with nbest 1, each step is replayed as a CUDA
     graph (``accel.graphs``, the same results).
     """
@@ -270,7 +270,7 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
 
 def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_scores: Tensor, length: int,
                     limits: list[int], options: DecodeOptions) -> tuple[list[bool], list[tuple[int, int, float]]]:
-    """Per alive sentence: finished hypotheses can no longer be beaten, or the length limit is hit.
+    """Per alive sentence: its nbest finished hypotheses can no longer be beaten, or the length limit is hit.
 
     With alpha >= 0, a live beam's best reachable normalised score is its current score (scores only
     fall) divided by the largest penalty it can still get, at its length limit. ``live_scores`` (n, K)
@@ -288,8 +288,8 @@ def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_sco
             done.append(True)
             continue
         bound = live[row][0] / _length_penalty(limits[sentence], options.length_penalty)
-        enough = len(hyps) >= options.nbest
-        done.append(enough and max(h.normalized for h in hyps) >= bound)
+        enough = len(hyps) >= options.nbest  # and the nbest-th of them beats every live beam
+        done.append(enough and sorted(h.normalized for h in hyps)[-options.nbest] >= bound)
     return done, ends
 
 
