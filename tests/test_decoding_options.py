@@ -415,6 +415,22 @@ def test_an_ensemble_with_fewer_positions_than_the_first_runs_data_cuts_inputs_t
     assert "input longer than the model's 16 positions was truncated" in together.stderr
 
 
+@pytest.mark.parametrize("engine", ["tformer", "ctranslate2"])
+def test_a_prefix_past_the_models_positions_is_cut_there_with_a_warning(trained_run, engine):
+    """The output holds what of the prefix fits the model's 64 positions, and stderr says so (the
+    ctranslate2 engine failed with a traceback); a prefix that fits gets no warning."""
+    if engine == "ctranslate2":
+        pytest.importorskip("ctranslate2")
+    prefix = "sieben " * 80
+    long = runner.invoke(app, ["generate", str(trained_run), "seven", "--prefix", prefix, "--engine", engine])
+    assert long.exit_code == 0, long.output
+    output = long.stdout.strip()
+    assert output and prefix.startswith(output) and len(output) < len(prefix)
+    assert "the model's 64 positions ran out inside the prefix" in long.stderr
+    short = runner.invoke(app, ["generate", str(trained_run), "seven", "--prefix", "sieben ", "--engine", engine])
+    assert short.exit_code == 0 and short.stdout.startswith("sieben") and not short.stderr
+
+
 def test_decoding_mistakes_get_one_line(trained_run, tmp_path):
     import shutil
 

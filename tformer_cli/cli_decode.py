@@ -259,13 +259,25 @@ def generate(
     for chunk in _input_batches(texts, prefix, json_input, loaded.vocab,
                                 sentences_per_batch(options, batch_size, max_tokens)):
         prefixes = [p or "" for _, p in chunk]
-        for result in translate([text for text, _ in chunk], options, batch_size, prefixes if any(prefixes) else None,
-                                max_tokens):
+        for result, forced in zip(translate([text for text, _ in chunk], options, batch_size,
+                                            prefixes if any(prefixes) else None, max_tokens), prefixes):
             if result.truncated:
                 warn(f"input longer than the model's {models.max_len} positions was truncated: "
                      f"{result.source[:40]}…")
+            if _prefix_cut(loaded.vocab, forced, result, models.max_len):
+                warn(f"the model's {models.max_len} positions ran out inside the prefix, so the output holds only "
+                     f"its start: {forced[:40]}…")
             generation_lines(result, json_output, number, loaded.vocab if align else None)
             number += 1
+
+
+def _prefix_cut(vocab: Vocabulary, prefix: str, result, max_len: int) -> bool:
+    """Whether an output filled the model's positions before it had written all of ``prefix``."""
+    if not prefix:
+        return False
+    spelled = vocab.spell_prefix(prefix)
+    return any(len(h.tokens) >= max_len - 1 and not "".join(vocab.target_tokens(h.tokens)).startswith(spelled)
+               for _, h in result.outputs)
 
 
 def _translator(engine: str, runs: list[Path], device, accel: str, precision: str):

@@ -87,8 +87,9 @@ class CTranslate2Engine:
             chunk, longest = order[batch.start:batch.stop], lengths[batch.stop - 1]
             limit = min(max(int(options.max_len_a * longest + options.max_len_b), options.min_len), self.max_len - 1)
             prefix = [forced[i] for i in chunk] if forced is not None and any(forced[i] for i in chunk) else None
-            if prefix is not None:
-                limit = max(limit, max(len(p) for p in prefix) + 1)
+            if prefix is not None:  # room for the prefix and a token past it, within the positions
+                limit = min(max(limit, max(len(p) for p in prefix) + 1), self.max_len - 1)
+                prefix = [p[:limit] for p in prefix]
             outputs = self.translator.translate_batch(
                 [sources[i] for i in chunk], target_prefix=prefix, max_batch_size=len(chunk), return_scores=True,
                 max_decoding_length=limit, min_decoding_length=options.min_len,
