@@ -139,10 +139,14 @@ def test_inspect_attention_cli(trained_run, tmp_path):
     assert unspellable.exit_code == 0 and "<unk>" in json.loads(unspellable.stdout)["row_tokens"]
     assert unspellable.stderr.strip() == ("warning: --target: the run's target vocabulary has no token for '€'; the "
                                           "maps show <unk> there")
-    bad = runner.invoke(app, ["inspect-attention", str(trained_run), "seven", "--layer", "5"])
-    assert bad.exit_code == 1 and "--layer 5: out of range; the model has 1 layers" in bad.output
-    bad = runner.invoke(app, ["inspect-attention", str(trained_run), "seven", "--kind", "self"])
-    assert bad.exit_code == 1 and "--kind self: expected one of cross, encoder, decoder" in bad.output
+    encoder = runner.invoke(app, ["inspect-attention", str(trained_run), "seven", "--target", "sieben €",
+                                  "--kind", "encoder", "--json"])
+    assert encoder.exit_code == 0 and encoder.stderr == ""  # the target is in no encoder map
+    for flags, message in ((["--layer", "5"], "--layer 5: out of range; the model has 1 layers"),
+                           (["--kind", "self"], "--kind self: expected one of cross, encoder, decoder")):
+        for target in ([], ["--target", "sieben €"]):  # the one line alone, without the target's warning
+            bad = runner.invoke(app, ["inspect-attention", str(trained_run), "seven", *flags, *target])
+            assert bad.exit_code == 1 and len(bad.output.strip().splitlines()) == 1 and message in bad.output
 
 
 def test_inspect_attention_cli_errors(tmp_path):

@@ -154,11 +154,11 @@ def inspect_attention(
     check_text("SOURCE", source)
     check_text("--target", target)
     loaded = load_run(run, resolve_device(device or "auto"))
-    unknown = loaded.vocab.unknown_target_characters(target) if target else ""
+    capture = capture_attention(loaded.model, loaded.vocab, source, target)
+    maps = select_maps(capture, kind, layer, head)  # a mistake in --kind, --layer or --head: one line, no warning
+    unknown = loaded.vocab.unknown_target_characters(target) if target and kind != "encoder" else ""
     if unknown:
         warn(f"--target: the run's target vocabulary has no token for {unknown!r}; the maps show <unk> there")
-    capture = capture_attention(loaded.model, loaded.vocab, source, target)
-    maps = select_maps(capture, kind, layer, head)
     if save is not None:
         save_image(maps, save)
     if json_output:
