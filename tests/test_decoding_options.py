@@ -141,8 +141,8 @@ def test_min_len_holds_for_greedy_beam_and_sampling():
 
 def test_where_the_ngram_ban_leaves_only_eos_before_min_len_the_output_ends_there():
     """With no token twice and EOS forbidden for 30 tokens, a vocabulary of VOCAB tokens runs out after
-    its VOCAB - 1 others: each search then ends the sentence (it used to pick a -inf token, return no
-    hypothesis, or fail in sampling)."""
+    its VOCAB - 3 that may be written (not EOS, padding nor the start symbol): each search then ends the
+    sentence (it used to pick a -inf token, return no hypothesis, or fail in sampling)."""
     model, src = _model(), _sources()
     for options in (DecodeOptions(no_repeat_ngram=1, min_len=30, max_len_a=0, max_len_b=30),
                     DecodeOptions(beam_size=3, nbest=2, no_repeat_ngram=1, min_len=30, max_len_a=0, max_len_b=30),
@@ -150,7 +150,20 @@ def test_where_the_ngram_ban_leaves_only_eos_before_min_len_the_output_ends_ther
         for hyps in decode_batch(model, src, options):
             assert len(hyps) == options.nbest
             for h in hyps:
-                assert sorted(h.tokens) == [tok for tok in range(VOCAB) if tok != EOS_ID] and math.isfinite(h.score)
+                assert sorted(h.tokens) == [tok for tok in range(VOCAB) if tok not in (EOS_ID, PAD_ID, BOS_ID)]
+                assert math.isfinite(h.score)
+
+
+def test_no_search_writes_padding_or_the_start_symbol_even_where_the_model_likes_them():
+    """Neither is ever a target; fairseq forbids padding too (sampling wrote both, from a trained model)."""
+    model, src = _model(), _sources()
+    with torch.no_grad():
+        model.output_proj.weight[PAD_ID:BOS_ID + 1] *= 8
+    for options in (DecodeOptions(**LIMIT), DecodeOptions(beam_size=3, nbest=2, **LIMIT),
+                    DecodeOptions(sample=True, seed=1, nbest=4, temperature=2.0, **LIMIT),
+                    DecodeOptions(min_len=4, no_repeat_ngram=2, **LIMIT)):
+        tokens = {t for hyps in decode_batch(model, src, options) for h in hyps for t in h.tokens}
+        assert tokens and not {PAD_ID, BOS_ID} & tokens, options
 
 
 def test_a_min_len_past_the_length_limit_raises_the_limit_to_it_within_the_models_positions():

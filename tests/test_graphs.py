@@ -11,7 +11,7 @@ from tformer_cli.decoding import DecodeOptions, _greedy_loop, beam_search, greed
 from tformer_cli.decoding_rules import max_new_tokens
 from tformer_cli.ensemble import Ensemble, as_ensemble
 from tformer_cli.model import build_model
-from tformer_cli.tokenizer import EOS_ID
+from tformer_cli.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 VOCAB = 24
 
@@ -80,6 +80,23 @@ def test_an_ensemble_steps_like_the_plain_loop():
     torch.testing.assert_close(graphed[2], plain[2], rtol=1e-9, atol=1e-9)
 
 
+def _likely_specials(model):
+    """The model with padding and the start symbol made likelier than most tokens."""
+    with torch.no_grad():
+        model.output_proj.weight[PAD_ID:BOS_ID + 1] *= 8
+    return model
+
+
+def test_the_static_step_never_writes_padding_or_the_start_symbol_as_the_plain_loop():
+    src = _sources()
+    (out, lengths, scores), plain = _both(_likely_specials(_model(1)), src, DecodeOptions(max_len_a=1.0, max_len_b=6))
+    assert lengths.tolist() == plain[1].tolist()
+    rows = [row[:n] for row, n in zip(out.tolist(), lengths.tolist())]
+    assert rows == [row[:n] for row, n in zip(plain[0].tolist(), lengths.tolist())]
+    assert not {PAD_ID, BOS_ID} & {t for row in rows for t in row}
+    torch.testing.assert_close(scores, plain[2], rtol=1e-9, atol=1e-9)
+
+
 def _beams(model, src, options):
     """The static beam step run eagerly, and ``beam_search``'s plain loop: (tokens, score, normalised)
     of each sentence's best hypothesis."""
@@ -103,7 +120,7 @@ def _beams(model, src, options):
     ({"positional": "learned", "attention_bias": True}, 3, 0.6, 2),
 ])
 def test_the_static_beam_step_finds_beam_searchs_best_hypotheses(overrides, beams, alpha, min_len):
-    model, lengths = _model(1, **overrides), set()
+    model, lengths = _model(4, **overrides), set()  # a seed whose beams end at many lengths
     for max_len_b in (2, 4, 9):  # limits that end sentences, and room for EOS to end them
         options = DecodeOptions(beam_size=beams, length_penalty=alpha, min_len=min_len, max_len_a=1.0,
                                 max_len_b=max_len_b)
@@ -114,6 +131,14 @@ def test_the_static_beam_step_finds_beam_searchs_best_hypotheses(overrides, beam
             assert normalized == pytest.approx(normalized_plain, rel=1e-9, abs=1e-9)
         lengths |= {len(t) for t, _, _ in graphed}
     assert len(lengths) > 2  # hypotheses of several lengths
+
+
+def test_the_static_beam_step_never_writes_padding_or_the_start_symbol_as_the_plain_loop():
+    options = DecodeOptions(beam_size=3, max_len_a=1.0, max_len_b=6)
+    graphed, plain = _beams(_likely_specials(_model(1)), _sources(), options)
+    assert [tokens for tokens, _, _ in graphed] == [tokens for tokens, _, _ in plain]
+    assert not {PAD_ID, BOS_ID} & {t for tokens, _, _ in graphed for t in tokens}
+    assert [score for _, score, _ in graphed] == pytest.approx([score for _, score, _ in plain], rel=1e-9, abs=1e-9)
 
 
 def test_the_static_beam_step_of_an_ensemble_finds_beam_searchs_best_hypotheses():

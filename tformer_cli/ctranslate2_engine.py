@@ -10,8 +10,9 @@ equal tformer's (tests/test_export.py). Where the two differ:
 - the length limit a * source_length + b is taken per batch, from its longest source;
 - a prefix is forced as its own tokens (CTranslate2 has no hook to constrain each step), so a prefix
   that ends mid-word is not completed as tformer's ``decoding.Prefix`` completes it;
-- scores are CTranslate2's: without a forced prefix's log-probabilities, renormalized where --min-len
-  forbids the end of sentence, and length-normalized in beam search;
+- scores are CTranslate2's: without a forced prefix's log-probabilities, renormalized over the tokens
+  it may write (never padding nor the start symbol, and no end of sentence before --min-len), and
+  length-normalized in beam search;
 - --align, --ensemble, --mbr and --epsilon are tformer's own and are refused.
 """
 
@@ -25,6 +26,7 @@ import torch
 from tformer_cli.decoding import DecodeOptions, Hypothesis, Translation, decoding_batches
 from tformer_cli.errors import UsageError
 from tformer_cli.runtime import LoadedRun
+from tformer_cli.tokenizer import NOT_OUTPUTS
 
 ENGINES = ("tformer", "ctranslate2")
 COMPUTE_TYPES = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16", "fp16": "float16"}  # on a CPU
@@ -55,6 +57,8 @@ class CTranslate2Engine:
             raise UsageError("--engine ctranslate2: the ctranslate2 package is not installed; pip install "
                              "'tformer[ctranslate2]'") from None
         self.ctranslate2, self.vocab, self.max_len = ctranslate2, loaded.vocab, loaded.config.model.max_len
+        specials = range(NOT_OUTPUTS.start, NOT_OUTPUTS.stop)  # never written, as tformer's decoding never writes them
+        self.not_outputs = [[token] for token in self.vocab.target_tokens(list(specials))]
         types = GPU_COMPUTE_TYPES if device.type == "cuda" else COMPUTE_TYPES
         if precision not in types:
             raise UsageError(f"--precision {precision} with --engine ctranslate2: expected {', '.join(types)}")
@@ -94,7 +98,7 @@ class CTranslate2Engine:
                 [sources[i] for i in chunk], target_prefix=prefix, max_batch_size=len(chunk), return_scores=True,
                 max_decoding_length=limit, min_decoding_length=options.min_len,
                 no_repeat_ngram_size=options.no_repeat_ngram, num_hypotheses=options.nbest,
-                **self._search(options))
+                suppress_sequences=self.not_outputs, **self._search(options))
             for i, output in zip(chunk, outputs):
                 tokens = [[self.vocab.target.token_to_id(t) for t in hyp] for hyp in output.hypotheses]
                 texts_out = self.vocab.decode_targets(tokens)

@@ -67,7 +67,7 @@ def marian_config(config: Config, vocab_size: int) -> dict:
 def generation_config(config: Config) -> dict:
     """tformer's decoding defaults for `generate` and pipelines (the length limit is the model's)."""
     return {"decoder_start_token_id": BOS_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
-            "pad_token_id": PAD_ID, "bad_words_ids": [[PAD_ID]], "num_beams": config.decode.beam_size,
+            "pad_token_id": PAD_ID, "bad_words_ids": [[PAD_ID], [BOS_ID]], "num_beams": config.decode.beam_size,
             "max_length": config.model.max_len}
 
 

@@ -29,6 +29,7 @@ os.environ.setdefault("RAYON_RS_NUM_CPUS", str(usable_cpus()))
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]  # ids 0, 1, 2, 3
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+NOT_OUTPUTS = slice(PAD_ID, BOS_ID + 1)  # ids that decoding never writes: padding and the start symbol
 RECIPE = "bpe/nfc+spaces/metaspace+punctuation/v3"  # part of the cache key: change it when the recipe changes
 JOINT_FILE, SOURCE_FILE, TARGET_FILE = "tokenizer.json", "tokenizer-source.json", "tokenizer-target.json"
 

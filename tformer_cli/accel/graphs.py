@@ -38,7 +38,7 @@ from torch import Tensor
 
 from tformer_cli.ensemble import Ensemble, average_log_probs
 from tformer_cli.model.transformer import DecoderCache
-from tformer_cli.tokenizer import BOS_ID, EOS_ID
+from tformer_cli.tokenizer import BOS_ID, EOS_ID, NOT_OUTPUTS
 
 CHECK_EVERY = 4  # steps between the host's reads of "has every sentence finished?"
 
@@ -113,8 +113,10 @@ class Decoders:
 
     def log_probs(self, min_len: int) -> Tensor:
         """(rows, V) log-probabilities of the next token (an ensemble's: the average of the models'
-        probabilities), EOS forbidden before ``min_len`` tokens."""
+        probabilities), padding and the start symbol forbidden, as the plain loops forbid them
+        (``decoding_rules.constrain``), and EOS before ``min_len`` tokens."""
         log_probs = average_log_probs([self._log_probs(m, c) for m, c in zip(self.models, self.caches)])
+        log_probs[:, NOT_OUTPUTS] = float("-inf")
         if min_len:
             log_probs[:, EOS_ID] = log_probs[:, EOS_ID].masked_fill(self.position < min_len, float("-inf"))
         return log_probs
