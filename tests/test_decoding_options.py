@@ -129,14 +129,16 @@ def _greedy_without_repeats(n, length):
     return out
 
 
-def test_min_len_holds_for_greedy_beam_and_sampling():
+def test_min_len_holds_for_greedy_beam_and_sampling_also_past_the_length_limit_which_it_raises():
     model, src = _model(), _sources()
-    for options in (DecodeOptions(min_len=9, max_len_a=0, max_len_b=9),
-                    DecodeOptions(beam_size=3, min_len=9, max_len_a=0, max_len_b=9),
-                    DecodeOptions(sample=True, seed=2, nbest=3, min_len=9, max_len_a=0, max_len_b=9)):
-        assert all(len(h.tokens) == 9 for hyps in decode_batch(model, src, options) for h in hyps)
+    for limit in (9, 4):  # 4: a limit below min_len, raised to it (within the model's positions)
+        for options in (DecodeOptions(min_len=9, max_len_a=0, max_len_b=limit),
+                        DecodeOptions(beam_size=3, min_len=9, max_len_a=0, max_len_b=limit),
+                        DecodeOptions(sample=True, seed=2, nbest=3, min_len=9, max_len_a=0, max_len_b=limit)):
+            assert all(len(h.tokens) == 9 for hyps in decode_batch(model, src, options) for h in hyps)
     free = [len(h.tokens) for h in greedy_or_sample(model, src, DecodeOptions(**LIMIT))]
     assert min(free) < 9
+    assert max_new_tokens(src, PAD_ID, DecodeOptions(min_len=90), 64).tolist() == [63] * len(src)
 
 
 def test_where_the_ngram_ban_leaves_only_eos_before_min_len_the_output_ends_there():
@@ -164,15 +166,6 @@ def test_no_search_writes_padding_or_the_start_symbol_even_where_the_model_likes
                     DecodeOptions(min_len=4, no_repeat_ngram=2, **LIMIT)):
         tokens = {t for hyps in decode_batch(model, src, options) for h in hyps for t in h.tokens}
         assert tokens and not {PAD_ID, BOS_ID} & tokens, options
-
-
-def test_a_min_len_past_the_length_limit_raises_the_limit_to_it_within_the_models_positions():
-    model, src = _model(), _sources()
-    for options in (DecodeOptions(min_len=9, max_len_a=0, max_len_b=4),
-                    DecodeOptions(beam_size=3, min_len=9, max_len_a=0.5, max_len_b=1),
-                    DecodeOptions(sample=True, seed=2, nbest=3, min_len=9, max_len_a=0, max_len_b=4)):
-        assert all(len(h.tokens) == 9 for hyps in decode_batch(model, src, options) for h in hyps)
-    assert max_new_tokens(src, PAD_ID, DecodeOptions(min_len=90), 64).tolist() == [63] * len(src)
 
 
 # ---------------------------------------------------------------------------------------------
