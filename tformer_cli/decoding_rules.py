@@ -111,10 +111,10 @@ def constrain(log_probs: Tensor, t: int, options: DecodeOptions, history: Tensor
     """Apply, in place, the rules on which token may come at step ``t`` to each row's log-probabilities
     (b, V), given the row's tokens so far ``history`` (b, t) and, from ``Prefix.inside``, the rows still
     inside their prefix with the tokens it allows them: never padding nor the start symbol, no EOS
-    before ``min_len`` tokens, no repeated n-gram, and inside a prefix only what the prefix allows (with their own log-probabilities, so
-    that the prefix counts in the score). A row that the n-gram ban leaves no token but EOS ends
-    there, short of ``min_len``: no output could have both."""
-    log_probs[:, NOT_OUTPUTS] = float("-inf")  # as fairseq forbids padding; a sampled one was written
+    before ``min_len`` tokens, no repeated n-gram, and inside a prefix only what the prefix allows
+    (with their own log-probabilities, so that the prefix counts in the score). A row that the n-gram
+    ban leaves no token but EOS ends there, short of ``min_len``: no output could have both."""
+    log_probs[:, NOT_OUTPUTS] = float("-inf")  # no target's tokens (fairseq forbids padding too)
     kept = None
     if inside is not None:
         rows, allowed = inside
