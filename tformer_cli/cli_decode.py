@@ -273,11 +273,11 @@ def generate(
 
 def _prefix_cut(vocab: Vocabulary, prefix: str, result, max_len: int) -> bool:
     """Whether an output filled the model's positions before it had written all of ``prefix``."""
-    if not prefix:
+    full = [h.tokens for _, h in result.outputs if len(h.tokens) >= max_len - 1]
+    if not prefix or not full:  # the prefix is spelled only for an output that reached the limit
         return False
     spelled = vocab.spell_prefix(prefix)
-    return any(len(h.tokens) >= max_len - 1 and not "".join(vocab.target_tokens(h.tokens)).startswith(spelled)
-               for _, h in result.outputs)
+    return any(not "".join(vocab.target_tokens(tokens)).startswith(spelled) for tokens in full)
 
 
 def _translator(engine: str, runs: list[Path], device, accel: str, precision: str):

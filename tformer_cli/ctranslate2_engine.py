@@ -26,7 +26,7 @@ import torch
 from tformer_cli.decoding import DecodeOptions, Hypothesis, Translation, decoding_batches
 from tformer_cli.errors import UsageError
 from tformer_cli.runtime import LoadedRun
-from tformer_cli.tokenizer import NOT_OUTPUTS
+from tformer_cli.tokenizer import NOT_OUTPUTS, SPECIALS
 
 ENGINES = ("tformer", "ctranslate2")
 COMPUTE_TYPES = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16", "fp16": "float16"}  # on a CPU
@@ -57,8 +57,7 @@ class CTranslate2Engine:
             raise UsageError("--engine ctranslate2: the ctranslate2 package is not installed; pip install "
                              "'tformer[ctranslate2]'") from None
         self.ctranslate2, self.vocab, self.max_len = ctranslate2, loaded.vocab, loaded.config.model.max_len
-        specials = range(NOT_OUTPUTS.start, NOT_OUTPUTS.stop)  # never written, as tformer's decoding never writes them
-        self.not_outputs = [[token] for token in self.vocab.target_tokens(list(specials))]
+        self.not_outputs = [[token] for token in SPECIALS[NOT_OUTPUTS]]  # never written, as by tformer's decoding
         types = GPU_COMPUTE_TYPES if device.type == "cuda" else COMPUTE_TYPES
         if precision not in types:
             raise UsageError(f"--precision {precision} with --engine ctranslate2: expected {', '.join(types)}")
@@ -89,10 +88,12 @@ class CTranslate2Engine:
         lengths = [len(sources[i]) + 1 for i in order]  # ascending, EOS included
         for batch in decoding_batches(lengths, options, batch_size, max_tokens):
             chunk, longest = order[batch.start:batch.stop], lengths[batch.stop - 1]
-            limit = min(max(int(options.max_len_a * longest + options.max_len_b), options.min_len), self.max_len - 1)
             prefix = [forced[i] for i in chunk] if forced is not None and any(forced[i] for i in chunk) else None
-            if prefix is not None:  # room for the prefix and a token past it, within the positions
-                limit = min(max(limit, max(len(p) for p in prefix) + 1), self.max_len - 1)
+            room = max(len(p) for p in prefix) + 1 if prefix is not None else 0  # the prefix and a token past it
+            # a * source length + b, min_len and the prefix, within the positions: as decoding_rules.max_new_tokens
+            limit = min(max(int(options.max_len_a * longest + options.max_len_b), options.min_len, room),
+                        self.max_len - 1)
+            if prefix is not None:
                 prefix = [p[:limit] for p in prefix]
             outputs = self.translator.translate_batch(
                 [sources[i] for i in chunk], target_prefix=prefix, max_batch_size=len(chunk), return_scores=True,

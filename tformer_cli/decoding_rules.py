@@ -103,7 +103,7 @@ def max_new_tokens(src: Tensor, pad_id: int, options: DecodeOptions, model_max_l
     limit = (options.max_len_a * src_len + options.max_len_b).long()
     if prefix is not None:
         limit = torch.maximum(limit, prefix.lengths(src.device) + 1)
-    return limit.clamp(min=max(options.min_len, 1)).clamp(max=model_max_len - 1)
+    return limit.clamp(min=max(options.min_len, 1), max=model_max_len - 1)  # min > max: max wins
 
 
 def constrain(log_probs: Tensor, t: int, options: DecodeOptions, history: Tensor | None,
