@@ -347,15 +347,15 @@ def test_missing_run_folder_is_a_one_line_error(tmp_path):
 
 
 def test_out_of_range_decoding_flags_are_one_line_errors_naming_the_flag(run_dir):
+    alpha_range = "must be in [0, 10] (0: no length normalisation; 0.6 to 1 usual)"
     for flags, message in ((["--beam", "0"], "--beam-size 0: must be >= 1"),
                            (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
                            (["--sample", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
                            (["--sample", "--temperature", "-1"], "--temperature -1.0: must be >= 0 and finite"),
                            (["--sample", "--temperature", "inf"], "--temperature inf: must be >= 0 and finite"),
-                           (["--length-penalty", "-0.5"], "--length-penalty -0.5: must be >= 0 and finite (0: no "
-                                                          "length normalisation)"),
-                           (["--length-penalty", "inf"], "--length-penalty inf: must be >= 0 and finite (0: no "
-                                                         "length normalisation)")):
+                           (["--length-penalty", "-0.5"], f"--length-penalty -0.5: {alpha_range}"),
+                           (["--length-penalty", "inf"], f"--length-penalty inf: {alpha_range}"),
+                           (["--length-penalty", "1000"], f"--length-penalty 1000.0: {alpha_range}")):  # overflowed
         result = runner.invoke(app, ["generate", str(run_dir), "seven", *flags])
         assert result.exit_code == 1, flags
         assert result.output == f"error: {message}\n"

@@ -109,7 +109,7 @@ def test_all_mistakes_are_reported_together(tmp_path):
     assert f"{bad}: model.num_heads: d_model 500 is not divisible by num_heads 8" in lines
     assert f"{bad}: train.lr: must be > 0, got -1.0" in lines
     assert f"{bad}: model.word_dropout: must be in [0, 1), got -0.1" in lines
-    assert f"{bad}: decode.length_penalty: must be >= 0 and finite (0: no length normalisation), got -1.0" in lines
+    assert f"{bad}: decode.length_penalty: must be in [0, 10] (0: no length normalisation; 0.6 to 1 usual), got -1.0" in lines
     assert f"{bad}: data.bpe_dropout: must be in [0, 1), got 1.0" in lines
     assert f"{bad}: train.rdrop: must be >= 0 (0 turns R-Drop off), got -0.5" in lines
     assert f"{bad}: train.ema_decay: must be in [0, 1) (0 turns it off), got 1.0" in lines

@@ -157,7 +157,7 @@ class DecodeConfig:
     """Defaults for `generate` and `eval`; every one can be given as a flag too."""
 
     beam_size: int = 4  # 1: greedy
-    length_penalty: float = 0.6  # GNMT alpha
+    length_penalty: float = 0.6  # GNMT alpha, in [0, 10]; 0: none
     max_len_a: float = 1.2  # output length limit: a * source_length + b (at least min_len; within model.max_len)
     max_len_b: int = 10  # see max_len_a
     min_len: int = 0  # no end of sentence before this many output tokens (the length limit makes room for them)
@@ -173,7 +173,8 @@ class DecodeConfig:
 # The range of each decode setting, for the config check and for the same flags of `eval` and `generate`.
 DECODE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "beam_size": (lambda v: v >= 1, ">= 1"),
-    "length_penalty": (lambda v: 0 <= v < math.inf, ">= 0 and finite (0: no length normalisation)"),  # early stop
+    # >= 0 for beam search's early stop; past 10 no output length would matter, and ((5 + length) / 6)^alpha overflows
+    "length_penalty": (lambda v: 0 <= v <= 10, "in [0, 10] (0: no length normalisation; 0.6 to 1 usual)"),
     "batch_size": (lambda v: v is None or v >= 1, ">= 1 or null"),
     "max_tokens": (lambda v: v is None or v >= 1, ">= 1 or null"),
     "min_len": (lambda v: v >= 0, ">= 0"),
