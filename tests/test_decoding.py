@@ -161,9 +161,22 @@ def test_low_temperature_and_top_k_one_sampling_equal_greedy(model):
     greedy = [h.tokens for h in greedy_or_sample(model, src, DecodeOptions(max_len_a=0, max_len_b=10))]
     for options in (DecodeOptions(sample=True, temperature=0.0), DecodeOptions(sample=True, temperature=1e-4),
                     DecodeOptions(sample=True, temperature=1e-300),  # log-probabilities / T overflow to -inf
-                    DecodeOptions(sample=True, top_k=1, seed=3), DecodeOptions(sample=True, top_p=1e-6, seed=3)):
+                    DecodeOptions(sample=True, top_k=1, seed=3), DecodeOptions(sample=True, top_p=1e-6, seed=3),
+                    DecodeOptions(sample=True, top_p=1e-300, seed=3)):  # p is 0 in float32: the likeliest stays
         options.max_len_a, options.max_len_b = 0, 10
         assert [h.tokens for h in greedy_or_sample(model, src, options)] == greedy
+
+
+def test_a_temperature_past_the_logits_range_samples_uniformly_over_the_tokens_allowed():
+    from tformer_cli.decoding import _sample
+
+    log_probs = torch.randn(6, 50).log_softmax(-1)
+    log_probs[:, :3] = float("-inf")  # banned, as padding and the start symbol are
+    uniform = torch.zeros(6, 50).masked_fill(log_probs == float("-inf"), float("-inf")).softmax(-1)
+    for temperature in (1e39, 1e300):  # inf in float32: (log-probabilities - best) / T were nan where banned
+        drawn = _sample(log_probs, DecodeOptions(sample=True, temperature=temperature), torch.Generator().manual_seed(5))
+        assert torch.equal(drawn, torch.multinomial(uniform, 1, generator=torch.Generator().manual_seed(5)).squeeze(1))
+        assert (drawn >= 3).all()
 
 
 def test_seeds_reproduce_samples(model):

@@ -173,7 +173,8 @@ def _generate(run, *args):
 def test_generate_with_the_ctranslate2_engine_translates_as_tformer_does(trained_run):
     pytest.importorskip("ctranslate2")
     for args in (["--beam", "1"], ["--beam", "1", "--prefix", "ein"], ["--beam", "1", "--min-len", "3"],
-                 ["--beam", "1", "--max-tokens", "8"]):
+                 ["--beam", "1", "--max-tokens", "8"],
+                 ["--sample", "--top-p", "1e-300", "--seed", "1"]):  # p is 0 in float32: the likeliest token
         args = [*args, "--max-new-tokens", "12"]  # the same limit for every sentence (ctranslate2: per batch)
         ours, theirs = _generate(trained_run, *args), _generate(trained_run, *args, "--engine", "ctranslate2")
         assert [r["outputs"] for r in theirs] == [r["outputs"] for r in ours], args

@@ -110,7 +110,8 @@ class CTranslate2Engine:
     @staticmethod
     def _search(options: DecodeOptions) -> dict:
         if options.sample:
-            return {"beam_size": 1, "sampling_topk": options.top_k, "sampling_topp": options.top_p,
+            top_p = max(options.top_p, torch.finfo(torch.float32).tiny)  # one that is 0 in its float32 is refused
+            return {"beam_size": 1, "sampling_topk": options.top_k, "sampling_topp": top_p,
                     "sampling_temperature": options.temperature, "length_penalty": 0.0}
         return {"beam_size": options.beam_size,  # scores unnormalized where tformer's are (greedy)
                 "length_penalty": options.length_penalty if options.beam_size > 1 else 0.0}

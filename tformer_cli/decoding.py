@@ -161,8 +161,9 @@ def _sample(log_probs: Tensor, options: DecodeOptions, generator: torch.Generato
     tokens of probability at least epsilon (epsilon sampling, Hewitt et al. 2022; the most likely
     token always stays)."""
     # shifted so that each row's best is 0: a tiny T (even one that is 0 in the logits' precision) sends
-    # the others to -inf, never all of them
-    temperature = max(options.temperature, torch.finfo(log_probs.dtype).tiny)
+    # the others to -inf, never all of them; a huge one (inf in that precision) makes them all 0, never nan
+    finfo = torch.finfo(log_probs.dtype)
+    temperature = min(max(options.temperature, finfo.tiny), finfo.max)
     logits = (log_probs - log_probs.amax(dim=-1, keepdim=True)) / temperature  # (b, V)
     if options.top_k > 0:
         kth = logits.topk(min(options.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -175,6 +176,7 @@ def _sample(log_probs: Tensor, options: DecodeOptions, generator: torch.Generato
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         outside = cumulative - sorted_logits.softmax(dim=-1) >= options.top_p  # keep the token crossing p
+        outside[:, 0] = False  # and the likeliest, even where p is 0 in the logits' precision
         logits = logits.scatter(1, order, sorted_logits.masked_fill(outside, float("-inf")))
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
