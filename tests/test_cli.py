@@ -355,7 +355,10 @@ def test_out_of_range_decoding_flags_are_one_line_errors_naming_the_flag(run_dir
                            (["--sample", "--temperature", "inf"], "--temperature inf: must be >= 0 and finite"),
                            (["--length-penalty", "-0.5"], f"--length-penalty -0.5: {alpha_range}"),
                            (["--length-penalty", "inf"], f"--length-penalty inf: {alpha_range}"),
-                           (["--length-penalty", "1000"], f"--length-penalty 1000.0: {alpha_range}")):  # overflowed
+                           (["--length-penalty", "1000"], f"--length-penalty 1000.0: {alpha_range}"),  # overflowed
+                           (["--nbest", str(2 ** 64)], f"--nbest {2 ** 64}: must be below 2^63"),  # past torch's int64
+                           (["--max-new-tokens", str(2 ** 63)], f"--max-new-tokens {2 ** 63}: must be below 2^63"),
+                           (["--sample", "--seed", "-1"], "--seed -1: must be in [0, 2^32)")):
         result = runner.invoke(app, ["generate", str(run_dir), "seven", *flags])
         assert result.exit_code == 1, flags
         assert result.output == f"error: {message}\n"

@@ -51,6 +51,19 @@ def test_overrides_are_typed_by_the_schema():
     assert load_config("configs/small.yaml", ["train.compile=false"]).train.compile is False
 
 
+def test_numbers_past_what_torch_and_floats_hold_are_mistakes_not_tracebacks():
+    huge = 2 ** 64  # YAML reads it as a Python integer, which torch could not take
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/small.yaml", [f"model.max_len={huge}", f"train.max_steps=-{huge}",
+                                           f"train.lr=1{'0' * 400}", "train.seed=-1", f"train.warmup_steps={2 ** 63 - 1}"])
+    assert set(str(info.value).splitlines()) == {
+        f"--set model.max_len: expected a 64-bit integer, got {huge}",
+        f"--set train.max_steps: expected a 64-bit integer, got -{huge}",
+        "--set train.lr: expected a finite number, got 100000000000000000...0000000000000000000",  # past float's range
+        "--set train.seed: must be in [0, 2^32), got -1"}  # seeds are combined with epochs and ranks
+    assert load_config("configs/small.yaml", [f"train.seed={2 ** 32 - 1}"]).train.seed == 2 ** 32 - 1
+
+
 def test_a_set_item_names_its_own_mistakes_and_reaches_into_mappings(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config("configs/small.yaml", ["train.lr=fast", "model.dmodel=8", "model.d_model=0x", "a.b.c.d=1"])

@@ -103,7 +103,7 @@ def eval_command(
 
     check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_tokens=max_tokens, max_samples=max_samples,
                          length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram,
-                         epsilon=epsilon)
+                         epsilon=epsilon, seed=seed)
     check_mbr(mbr, mbr_metric, mbr_candidates)
     check_mode(accel)
     data_files = _check_data_files(data_files)
@@ -234,7 +234,7 @@ def generate(
     check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_tokens=max_tokens,
                          max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                          epsilon=epsilon, length_penalty=length_penalty, min_len=min_len,
-                         no_repeat_ngram=no_repeat_ngram, align_layer=align_layer)
+                         no_repeat_ngram=no_repeat_ngram, align_layer=align_layer, seed=seed)
     check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
     check_mode(accel)
     check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)

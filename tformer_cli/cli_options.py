@@ -64,11 +64,13 @@ def check_decoding_flags(**flags) -> None:
 
     at_least_one = (lambda v: v >= 1, ">= 1")
     limits = {**DECODE_LIMITS, "nbest": at_least_one, "max_new_tokens": at_least_one,
-              "max_samples": at_least_one, "align_layer": at_least_one}
+              "max_samples": at_least_one, "align_layer": at_least_one, "seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2^32)")}
     for name, value in flags.items():
         ok, expected = limits[name]
         if value is not None and not ok(value):
             raise UsageError(f"--{name.replace('_', '-')} {value}: must be {expected.replace(' or null', '')}")
+        if isinstance(value, int) and value >= 2 ** 63:  # past torch's integers
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be below 2^63")
 
 
 def decoding_autocast(device, precision: str):

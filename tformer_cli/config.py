@@ -97,7 +97,7 @@ class TrainConfig:
     """Optimisation, schedule, stopping, evaluation and checkpointing."""
 
     output_dir: Optional[str] = None  # default runs/<config name>
-    seed: int = 0  # seeds initialisation, dropout and data order
+    seed: int = 0  # seeds initialisation, dropout and data order; in [0, 2^32)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when available
     # fp32, or bf16 / fp16 autocast (bf16 on CPUs with AVX-512 BF16 or AMX); auto: bf16 on a GPU with
     # bf16 tensor cores (A100, H100 and later), fp32 elsewhere
@@ -324,6 +324,7 @@ def _validate_data(d: DataConfig, m: ModelConfig, need: Need) -> None:
 
 def _validate_train(t: TrainConfig, d: DataConfig, m: ModelConfig, need: Need) -> None:
     need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    need(0 <= t.seed < 2 ** 32, "train.seed", f"must be in [0, 2^32), got {t.seed}")
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas",
          f"must be two numbers in [0, 1), got {t.betas}")
     need(t.eps > 0, "train.eps", f"must be > 0, got {t.eps}")

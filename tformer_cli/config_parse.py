@@ -213,17 +213,18 @@ def check_type(value: Any, hint: Any) -> tuple[str | None, Any]:
     if hint is bool:
         return (None, value) if isinstance(value, bool) else (f"expected true or false, got {brief(value)}", value)
     if hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return (None, value) if ok else (f"expected an integer, got {brief(value)}", value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"expected an integer, got {brief(value)}", value
+        return (None, value) if abs(value) < 2 ** 63 else (f"expected a 64-bit integer, got {brief(value)}", value)
     if hint is float:
         number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):  # YAML 1.1 reads 3e-4 as a string
             try:
                 number = float(value)
             except ValueError:
                 pass
+            except OverflowError:  # an integer past float's range
+                number = math.inf
         if number is None:
             return f"expected a number, got {brief(value)}", value
         return (None, number) if math.isfinite(number) else (f"expected a finite number, got {brief(value)}", value)
