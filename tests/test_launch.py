@@ -127,6 +127,11 @@ def test_on_several_machines_the_launchers_torch_keeps_its_cpp_warnings_to_itsel
     (["--set", "train.lr=-1"], "error: --set train.lr: must be > 0, got -1.0"),
     (["--nproc-per-node", "0"], "error: --nproc-per-node 0: give a number of processes (1 or more), or gpu"),
     (["--nproc-per-node", "two"], "error: --nproc-per-node two: give a number of processes (1 or more), or gpu"),
+    (["--nproc-per-node", "3"], "error: --nproc-per-node 3: this machine has 2 CPU cores, and each training process "
+                                "needs one; give at most 2"),
+    # torch's launcher planned every process before starting one, its memory growing until it ran out
+    (["--nproc-per-node", str(2 ** 64)], f"error: --nproc-per-node {2 ** 64}: this machine has 2 CPU cores, and each "
+                                         "training process needs one; give at most 2"),
     pytest.param(["--nproc-per-node", "gpu"], "error: --nproc-per-node gpu: this machine has no GPU that torch can "
                  "see; give a number", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there")),
     (["--device", "cuda:7"], None),  # the device is checked before any process starts
@@ -144,6 +149,7 @@ def test_on_several_machines_the_launchers_torch_keeps_its_cpp_warnings_to_itsel
 ])
 def test_a_mistake_is_one_line_before_any_process_starts(tmp_path, config, monkeypatch, args, message):
     monkeypatch.setattr(launch, "launch", lambda *args: pytest.fail("processes started"))
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
     result = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "run"),
                                       "--nproc-per-node", "2", *args])
     lines = result.output.strip().splitlines()
@@ -266,6 +272,7 @@ def test_a_signal_while_an_error_unwinds_reports_the_error(tmp_path, config, mon
 
 def test_one_process_trains_in_this_one(tmp_path, config, monkeypatch):
     monkeypatch.setattr(launch, "launch", lambda *args: pytest.fail("processes started"))
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
     result = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "run"), "--quiet",
                                       "--nproc-per-node", "1"])
     assert result.exit_code == 0 and step_checkpoints(tmp_path / "run")

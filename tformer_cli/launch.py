@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tformer_cli.errors import TformerError, UsageError, first_line
+from tformer_cli.tokenizer import usable_cpus
 
 # each option of ``tformer train`` by its parameter's name
 TRAIN_FLAGS = {"resume": "--resume", "overrides": "--set", "device": "--device", "output_dir": "--output-dir",
@@ -91,8 +92,8 @@ def process_count(processes: str) -> int:
     """--nproc-per-node's processes: a number, or "gpu" for one a GPU.
 
     Raises:
-        UsageError: neither a number of 1 or more nor "gpu"; "gpu" on a machine without one; more than
-            one process asked of a process that torchrun started.
+        UsageError: neither a number of 1 or more nor "gpu"; "gpu" on a machine without one; more
+            processes than CPU cores; more than one asked of a process that torchrun started.
     """
     if processes == "gpu":
         import torch
@@ -104,6 +105,9 @@ def process_count(processes: str) -> int:
         count = int(processes)
     else:
         raise UsageError(f"--nproc-per-node {processes}: give a number of processes (1 or more), or gpu")
+    if count > (cores := usable_cpus()):  # torch's launcher would plan every process before starting one
+        raise UsageError(f"--nproc-per-node {count}: this machine has {cores} CPU cores, and each training process "
+                         f"needs one; give at most {cores}")
     if count > 1 and "LOCAL_RANK" in os.environ:
         raise UsageError("--nproc-per-node: this process was started by torchrun, which says how many; give the "
                          "number to torchrun or to tformer train, not both")
@@ -176,8 +180,7 @@ def launch(group: Group, argv: list[str], run_dir: Path) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[LAUNCHED] = "1"
     # torchrun's default is 1 thread a process; the machine's cores shared out keeps a CPU run as fast
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // group.processes)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // group.processes)))
     # the machines' agents meet in the run's name: two runs given one endpoint by mistake do not mix
     run_id = f"tformer-{run_dir.name}" if group.endpoint else str(uuid.uuid4())
     config = LaunchConfig(min_nodes=group.machines, max_nodes=group.machines, nproc_per_node=group.processes,
