@@ -60,7 +60,10 @@ def test_count_params_bad_flags_give_one_line_errors():
     for args, line in [(["--layers", "0"], "error: --layers: must be >= 1, got 0"),
                        (["--decoder-layers", "0"], "error: --decoder-layers: must be >= 1, got 0"),
                        (["configs/base.yaml", "--num-heads", "7"], "error: --num-heads: d_model 512 is not divisible"),
-                       (["configs/base.yaml", "--set", "model.dropout=2"], "error: --set model.dropout: must be in")]:
+                       (["configs/base.yaml", "--set", "model.dropout=2"], "error: --set model.dropout: must be in"),
+                       (["--d-model", str(4 * 10 ** 9)], "error: the model is too large for torch to build (Storage "
+                                                          "size calculation overflowed"),  # 4 x 10^9 x d_ff floats
+                       (["--d-model", str(2 ** 64)], "error: --d-model: expected a 64-bit integer")]:
         result = CliRunner().invoke(app, ["count-params", *args])
         assert result.exit_code == 1 and result.output.startswith(line) and result.output.count("\n") == 1, result.output
     shapes = json.loads(CliRunner().invoke(app, ["count-params", "--layers", "3", "--decoder-layers", "1", "--json"]).output)

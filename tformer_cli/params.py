@@ -9,6 +9,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from tformer_cli.config import ModelConfig
+from tformer_cli.errors import ConfigError, first_line
 
 
 @dataclass
@@ -75,8 +76,12 @@ def parameter_rows(c: ModelConfig, src_vocab: int, tgt_vocab: int | None = None)
     ]
     if c.norm == "pre":
         spec.append(("final LayerNorms (pre-LN)", norm_params(d), 2, r"(encoder|decoder)\.final_norm"))
-    with torch.device("meta"):
-        model = build_model(c, src_vocab, tgt_vocab)
+    try:
+        with torch.device("meta"):
+            model = build_model(c, src_vocab, tgt_vocab)
+    except RuntimeError as exc:  # a weight of 2^63 bytes or more: torch cannot size it, even on the meta device
+        raise ConfigError(f"the model is too large for torch to build ({first_line(exc)}); lower model.d_model, "
+                          "model.d_ff or data.vocab_size") from None
     named = list(model.named_parameters())  # tied weights appear once
     rows = []
     for name, per_layer, layers, pattern in spec:
