@@ -2,6 +2,7 @@ import math
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from tformer_cli.optim import learning_rate
 from tformer_cli.parallel import Workers
 from tformer_cli.runtime import load_run, step_checkpoints
 from tformer_cli.runs import prepare_run
-from tformer_cli.train import train
+from tformer_cli.train import _no_step, train
 
 
 def test_a_training_step_is_the_loss_backward_clipping_the_schedule_and_adam():
@@ -278,8 +279,12 @@ def test_a_split_too_small_for_a_batch_a_process_is_one_line(tmp_path):
                         train={"step_tokens": 480, "max_tokens": 48})  # 10 batches a step, of 3 sentences
     with pytest.raises(UsageError, match=r"^train.step_tokens 480: no step of the training split \(3 pairs\) has a "
                        r"sentence for each of its 10 batches \(10 a process, to stay within train.max_tokens 48\); "
-                       r"raise train.step_tokens or train.max_tokens$"):
+                       r"lower train.step_tokens or raise train.max_tokens$"):  # fewer batches a step
         train(load_config(path), tmp_path / "run")
+    # a batch a process already: the step needs more sentences, or fewer processes to share them
+    assert _no_step(replace(load_config(path).train, step_tokens=48), 3, 4, 1).endswith(
+        "batches (1 a process on 4 processes, to stay within train.max_tokens 48); raise train.step_tokens, or train "
+        "with fewer processes")
 
 
 @pytest.mark.parametrize("section, key, then", [("model", "attention_bias", True), ("train", "batch_multiple", 1)],

@@ -199,9 +199,12 @@ def _no_step(cfg: TrainConfig, pairs: int, processes: int, accumulation: int) ->
         return (f"the training split ({pairs:,} pairs) makes fewer batches of train.max_tokens {cfg.max_tokens:,} "
                 f"than the {processes} processes; lower train.max_tokens, or train with fewer processes")
     where = f" on {processes} processes" if processes > 1 else ""
+    # a step split into fewer batches: fewer max_tokens shares of it, or, at one a process, fewer processes
+    fix = ("lower train.step_tokens or raise train.max_tokens" if accumulation > 1
+           else "raise train.step_tokens, or train with fewer processes")
     return (f"train.step_tokens {cfg.step_tokens:,}: no step of the training split ({pairs:,} pairs) has a sentence "
             f"for each of its {processes * accumulation} batches ({accumulation} a process{where}, to stay within "
-            f"train.max_tokens {cfg.max_tokens:,}); raise train.step_tokens or train.max_tokens")
+            f"train.max_tokens {cfg.max_tokens:,}); {fix}")
 
 
 def _build_kernels(setup: Setup, data: EncodedSplit, batches: list[list[int]]) -> None:
