@@ -60,6 +60,19 @@ def test_a_packed_batch_holds_each_pair_whole_in_one_row_with_its_own_positions(
     assert seen == 11
 
 
+def test_a_row_is_never_wider_than_the_batchs_sentences_end_to_end():
+    batch = collate(_split(), list(range(11)))
+    longest = max(int((batch.src != PAD_ID).sum(1).max()), int((batch.tgt_out != PAD_ID).sum(1).max()))
+    exact = pack(batch, 11 * longest)  # room for the 11 sentences in one row
+    for length in (12 * longest, 2 ** 62):  # rows were k x longest wide: at 2^62 past what torch can size
+        wide = pack(batch, length)
+        assert wide.src.shape[0] == 1
+        for field in ("src", "tgt_in", "tgt_out"):
+            assert torch.equal(getattr(wide, field), getattr(exact, field))
+        for field in ("src_segments", "src_positions", "tgt_segments", "tgt_positions"):
+            assert torch.equal(getattr(wide.rows, field), getattr(exact.rows, field))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_in_a_packed_row_is_each_sentences_attention_alone(causal):
     """The segment mask against torch's attention over each sentence on its own."""

@@ -18,13 +18,13 @@ from tformer_cli.tokenizer import PAD_ID
 
 def pack(batch: Batch, length: int) -> Batch:
     """``batch``'s pairs, in order, end to end in rows: k sentences of the batch's longest fit a row,
-    k = max(1, ``length`` // longest), and a row takes sentences while both its sides fit (each side
-    k times that side's longest). Targets keep their shift: a sentence's input ``<s> y_1 ... y_m`` and
-    output ``y_1 ... y_m </s>`` sit in the same columns."""
+    k = max(1, ``length`` // longest), at most the batch's sentences, and a row takes sentences while
+    both its sides fit (each side k times that side's longest). Targets keep their shift: a sentence's
+    input ``<s> y_1 ... y_m`` and output ``y_1 ... y_m </s>`` sit in the same columns."""
     src_lengths = (batch.src != PAD_ID).sum(1)  # (B,)
     tgt_lengths = (batch.tgt_out != PAD_ID).sum(1)  # (B,) the input holds as many (its </s> is padding)
     longest_src, longest_tgt = int(src_lengths.max()), int(tgt_lengths.max())
-    k = max(1, length // max(longest_src, longest_tgt))
+    k = max(1, min(len(src_lengths), length // max(longest_src, longest_tgt)))  # wider would be padding alone
     width_src, width_tgt = k * longest_src, k * longest_tgt
     rows, src_starts, tgt_starts, segments = [], [], [], []  # each sentence's row, first columns, number
     row, used_src, used_tgt, segment = 0, 0, 0, 0
