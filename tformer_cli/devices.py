@@ -4,6 +4,7 @@ is measured against), timing on it, and the memory figures a training log report
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -95,6 +96,17 @@ def resident_mib(peak: bool = False, pid: int | str = "self") -> float | None:
         with open(f"/proc/{pid}/status") as f:
             return next((int(line.split()[1]) / 1024 for line in f if line.startswith(field)), None)
     except OSError:
+        return None
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """All the memory of ``device``: a GPU's, or for the CPU the machine's RAM (which its processes
+    share); None where the OS does not say."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
         return None
 
 

@@ -124,6 +124,9 @@ def train_flops_per_token(c: ModelConfig, tgt_vocab: int, src_per_tgt: float = 1
     return 6.0 * (source * src_per_tgt + target)
 
 
+TRAINING_BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and Adam's two moments
+
+
 def summary(c: ModelConfig, src_vocab: int, tgt_vocab: int | None = None) -> dict:
     """Everything `count-params` shows, as plain data."""
     tgt_vocab = tgt_vocab or src_vocab
@@ -140,8 +143,7 @@ def summary(c: ModelConfig, src_vocab: int, tgt_vocab: int | None = None) -> dic
         "train_flops_per_token": train_flops_per_token(c, tgt_vocab),
         "memory_bytes": {
             "weights_fp32": 4 * total, "weights_bf16": 2 * total,
-            # weights + gradients + Adam's two moments, all fp32: 16 bytes a parameter
-            "adam_training_fp32": 16 * total,
+            "adam_training_fp32": TRAINING_BYTES_PER_PARAMETER * total,
             # bf16 weights and gradients, fp32 Adam moments: 12 bytes a parameter
             "adam_training_bf16": 12 * total,
         },

@@ -3,6 +3,7 @@ set up for a new or a resumed run (``Setup``). ``train.py`` runs the loop over t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -13,7 +14,7 @@ import torch
 
 from tformer_cli.accel import accelerate
 from tformer_cli.config import Config, DataConfig
-from tformer_cli.devices import resolve_precision
+from tformer_cli.devices import memory_bytes, resolve_precision
 from tformer_cli.encoding import (
     EncodedSplit, cached_vocabulary, encodings_cached, load_encoded, train_or_load_vocabulary)
 from tformer_cli.ema import WeightEMA
@@ -22,9 +23,10 @@ from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, compiles, label_s
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_failed, write_text_atomic
 from tformer_cli.model import build_model
 from tformer_cli.optim import make_optimizer
-from tformer_cli.params import total_params
+from tformer_cli.params import TRAINING_BYTES_PER_PARAMETER, total_params
 from tformer_cli.parallel import Workers, distribute, gathered, load_optimizer_state, shard_like
 from tformer_cli.preparing import prepare_apart, worth_preparing_apart
+from tformer_cli.render import human_bytes
 from tformer_cli.run_folder import METRICS, WEIGHTS
 from tformer_cli.run_writer import RunWriter, writes_in_background
 from tformer_cli.runtime import (
@@ -141,9 +143,26 @@ class Setup:
         return Segmentations(self.train_data, self.vocab, self.config.data, self.workers, draws_ahead(self.device),
                              resumed)
 
+    def _check_fits(self) -> None:
+        """ConfigError where the training state alone, 16 bytes a parameter (fp32 weights, gradients and
+        Adam's two moments; this process's share under FSDP), is more than its share of the device's
+        memory (the CPU's RAM is shared by this machine's processes): past it the OS would kill the
+        process without a word, once the model was built or at the first step."""
+        memory = memory_bytes(self.device)
+        if memory is None:
+            return
+        parameters = total_params(self.config.model, self.vocab.src_size, self.vocab.tgt_size)
+        needed = TRAINING_BYTES_PER_PARAMETER * parameters // (self.workers.size if self.sharded else 1)
+        share = memory // (int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.device.type == "cpu" else 1)
+        if needed > share:
+            raise _too_big(self.config, self.vocab, self.device, f"training its {parameters:,} parameters needs "
+                           f"at least {human_bytes(needed)} for weights, gradients and Adam's moments, and this "
+                           f"process has {human_bytes(share)}")
+
     def _build_model(self, draw: bool = True) -> torch.nn.Module:
         """The model on the training device, with the speed layer; its weights drawn, or with ``draw``
         False left as allocated, for weights loaded next."""
+        self._check_fits()
         try:
             with nullcontext() if draw else skipping_random_init():
                 model = build_model(self.config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID)
@@ -234,10 +253,10 @@ class Setup:
         return saved
 
 
-def _too_big(config: Config, vocab: Vocabulary, device: torch.device) -> ConfigError:
-    """What to lower when the model does not fit: model.max_len where its positional tables (built in
-    float64) outweigh the weights, else the model's width and depth."""
-    m, where = config.model, f"the model does not fit in the {device.type.upper()}'s memory"
+def _too_big(config: Config, vocab: Vocabulary, device: torch.device, why: str = "") -> ConfigError:
+    """What to lower when the model does not fit (``why``: by how much, where known): model.max_len
+    where its positional tables (built in float64) outweigh the weights, else the model's width and depth."""
+    m, where = config.model, f"the model does not fit in the {device.type.upper()}'s memory{f' ({why})' if why else ''}"
     tables = 0 if m.positional == "alibi" else 2 * m.max_len * m.d_model  # one a stack, in float64
     if 2 * tables > total_params(m, vocab.src_size, vocab.tgt_size):
         return ConfigError(f"{where}: its positional tables have a row for each of model.max_len's {m.max_len:,} "
