@@ -64,6 +64,17 @@ def test_numbers_past_what_torch_and_floats_hold_are_mistakes_not_tracebacks():
     assert load_config("configs/small.yaml", [f"train.seed={2 ** 32 - 1}"]).train.seed == 2 ** 32 - 1
 
 
+def test_min_lr_is_a_rate_the_cosine_decays_to_from_lr():
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/small.yaml", ["train.schedule=cosine", "train.lr=1e-3", "train.min_lr=-1e-4"])
+    assert str(info.value) == "--set train.min_lr: must be >= 0, got -0.0001"  # the last steps would ascend
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/small.yaml", ["train.schedule=cosine", "train.lr=1e-3", "train.min_lr=2e-3"])
+    assert str(info.value) == ("--set train.min_lr: 0.002 is above train.lr 0.001, the peak that the cosine schedule "
+                               "decays from; lower it")
+    assert load_config("configs/small.yaml", ["train.schedule=cosine", "train.lr=1e-3", "train.min_lr=1e-3"])
+
+
 def test_a_set_item_names_its_own_mistakes_and_reaches_into_mappings(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config("configs/small.yaml", ["train.lr=fast", "model.dmodel=8", "model.d_model=0x", "a.b.c.d=1"])

@@ -133,7 +133,8 @@ class TrainConfig:
     # noam (lr is a scale), or inverse_sqrt, cosine, constant (lr is the peak) after a linear warmup
     schedule: Literal["noam", "inverse_sqrt", "cosine", "constant"] = "noam"
     warmup_steps: int = 4000  # linear warmup
-    # where cosine ends: at max_steps or epochs, or with max_time at the step the pace so far reaches
+    # the rate cosine ends at, in [0, train.lr]: at max_steps or epochs, or with max_time at the step the
+    # pace so far reaches
     min_lr: float = 0.0
     label_smoothing: float = 0.1  # epsilon of §5.4
     rdrop: float = 0.0  # R-Drop weight alpha: each batch runs twice, their output KL divergence is penalised
@@ -330,6 +331,9 @@ def _validate_train(t: TrainConfig, d: DataConfig, m: ModelConfig, need: Need) -
     need(t.eps > 0, "train.eps", f"must be > 0, got {t.eps}")
     need(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
     need(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    need(t.min_lr >= 0, "train.min_lr", f"must be >= 0, got {t.min_lr}")  # below, cosine's steps would ascend the loss
+    need(t.schedule != "cosine" or t.min_lr <= t.lr, "train.min_lr",
+         f"{t.min_lr} is above train.lr {t.lr}, the peak that the cosine schedule decays from; lower it")
     need(t.schedule != "noam" or t.warmup_steps > 0, "train.warmup_steps", "the noam schedule needs warmup_steps > 0")
     need(0.0 <= t.label_smoothing < 1.0, "train.label_smoothing", f"must be in [0, 1), got {t.label_smoothing}")
     need(0.0 <= t.ema_decay < 1.0, "train.ema_decay", f"must be in [0, 1) (0 turns it off), got {t.ema_decay}")
