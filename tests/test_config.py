@@ -61,6 +61,8 @@ def test_numbers_past_what_torch_and_floats_hold_are_mistakes_not_tracebacks():
         f"--set train.max_steps: expected a 64-bit integer, got -{huge}",
         "--set train.lr: expected a finite number, got 100000000000000000...0000000000000000000",  # past float's range
         "--set train.seed: must be in [0, 2^32), got -1"}  # seeds are combined with epochs and ranks
+    with pytest.raises(ConfigError, match=r"^--set data.min_frequency: must be >= 0, got -5$"):  # tokenizers' unsigned
+        load_config("configs/small.yaml", ["data.min_frequency=-5"])
     assert load_config("configs/small.yaml", [f"train.seed={2 ** 32 - 1}"]).train.seed == 2 ** 32 - 1
 
 

@@ -317,6 +317,7 @@ def _validate_data(d: DataConfig, m: ModelConfig, need: Need) -> None:
          f"{d.max_length} exceeds model.max_len {m.max_len}; lower it or raise model.max_len")
     need(0.0 <= d.bpe_dropout < 1.0, "data.bpe_dropout", f"must be in [0, 1), got {d.bpe_dropout}")
     need(16 <= d.vocab_size <= MAX_VOCAB, "data.vocab_size", f"must be in [16, {MAX_VOCAB:,}], got {d.vocab_size}")
+    need(d.min_frequency >= 0, "data.min_frequency", f"must be >= 0, got {d.min_frequency}")
     need(d.bpe_max_pairs is None or d.bpe_max_pairs > 0, "data.bpe_max_pairs",
          f"must be > 0 (or null: every pair), got {d.bpe_max_pairs}")
     need(d.joint_vocab or m.share_embeddings != "all", "model.share_embeddings",
