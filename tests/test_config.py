@@ -51,7 +51,7 @@ def test_overrides_are_typed_by_the_schema():
     assert load_config("configs/small.yaml", ["train.compile=false"]).train.compile is False
 
 
-def test_numbers_past_what_torch_and_floats_hold_are_mistakes_not_tracebacks():
+def test_numbers_past_what_torch_tokenizers_and_floats_hold_are_mistakes_not_tracebacks():
     huge = 2 ** 64  # YAML reads it as a Python integer, which torch could not take
     with pytest.raises(ConfigError) as info:
         load_config("configs/small.yaml", [f"model.max_len={huge}", f"train.max_steps=-{huge}",
