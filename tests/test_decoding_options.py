@@ -141,6 +141,12 @@ def test_min_len_holds_for_greedy_beam_and_sampling_also_past_the_length_limit_w
     assert max_new_tokens(src, PAD_ID, DecodeOptions(min_len=90), 64).tolist() == [63] * len(src)
 
 
+def test_a_length_limit_past_int64_is_the_models_positions_not_one_token():
+    src = _sources()  # a * length + b wrapped to int64's most negative when cast, then rose to min_len 1
+    for options in (DecodeOptions(max_len_a=1e30), DecodeOptions(max_len_a=0, max_len_b=2 ** 63 - 1)):
+        assert max_new_tokens(src, PAD_ID, options, 64).tolist() == [63] * len(src)
+
+
 def test_where_the_ngram_ban_leaves_only_eos_before_min_len_the_output_ends_there():
     """With no token twice and EOS forbidden for 30 tokens, a vocabulary of VOCAB tokens runs out after
     its VOCAB - 3 that may be written (not EOS, padding nor the start symbol): each search then ends the

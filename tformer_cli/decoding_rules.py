@@ -100,7 +100,8 @@ def max_new_tokens(src: Tensor, pad_id: int, options: DecodeOptions, model_max_l
     """(B,) output length limits: a * source_length + b, room for ``min_len`` tokens, and room for a
     prefix spelled a character a token and one token past it, within the model's positions."""
     src_len = (src != pad_id).sum(dim=1).float()
-    limit = (options.max_len_a * src_len + options.max_len_b).long()
+    # within the positions before the cast: past int64 it would wrap to its most negative
+    limit = (options.max_len_a * src_len + options.max_len_b).clamp(max=model_max_len - 1).long()
     if prefix is not None:
         limit = torch.maximum(limit, prefix.lengths(src.device) + 1)
     return limit.clamp(min=max(options.min_len, 1), max=model_max_len - 1)  # min > max: max wins
