@@ -494,6 +494,9 @@ def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, mon
                            "together), or --beam-size or --nbest (hypotheses a sentence)")):
         result = runner.invoke(app, command)
         assert result.exit_code == 1 and result.output.strip() == line, result.output
+    monkeypatch.undo()  # a request past the sizes torch can count: torch says its size overflowed
+    result = runner.invoke(app, ["generate", str(run_dir), "seven", "--beam", str(2 ** 63 - 1)])
+    assert result.exit_code == 1 and result.output.strip() == line, result.output
     monkeypatch.setattr(decoding, "translate", lambda *args: 1 / 0)  # other errors are not hidden
     assert isinstance(runner.invoke(app, ["generate", str(run_dir), "seven"]).exception, ZeroDivisionError)
     monkeypatch.undo()  # a model too large to build: no batch size helps

@@ -29,8 +29,9 @@ class DivergedError(TformerError):
 
 def out_of_memory(exc: BaseException) -> bool:
     """Whether torch ran out of memory: its CUDA allocator raises OutOfMemoryError, its CPU allocator a
-    RuntimeError saying so."""
-    return type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(exc)
+    RuntimeError saying so, and a tensor of 2^63 bytes or more one that its size overflowed."""
+    return type(exc).__name__ == "OutOfMemoryError" or any(
+        words in str(exc) for words in ("can't allocate memory", "Storage size calculation overflowed"))
 
 
 _BRIEF = reprlib.Repr()
