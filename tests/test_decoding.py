@@ -174,7 +174,8 @@ def test_a_temperature_past_the_logits_range_samples_uniformly_over_the_tokens_a
     log_probs[:, :3] = float("-inf")  # banned, as padding and the start symbol are
     uniform = torch.zeros(6, 50).masked_fill(log_probs == float("-inf"), float("-inf")).softmax(-1)
     for temperature in (1e39, 1e300):  # inf in float32: (log-probabilities - best) / T were nan where banned
-        drawn = _sample(log_probs, DecodeOptions(sample=True, temperature=temperature), torch.Generator().manual_seed(5))
+        options = DecodeOptions(sample=True, temperature=temperature)
+        drawn = _sample(log_probs, options, torch.Generator().manual_seed(5))
         assert torch.equal(drawn, torch.multinomial(uniform, 1, generator=torch.Generator().manual_seed(5)).squeeze(1))
         assert (drawn >= 3).all()
 

@@ -60,11 +60,11 @@ PrecisionOpt = Annotated[str, typer.Option(
 def check_decoding_flags(**flags) -> None:
     """One-line errors for out-of-range decoding flags (None: not given). The flags that set a decode
     config key obey that key's range (config.DECODE_LIMITS), whose YAML null is a flag left out."""
-    from tformer_cli.config import DECODE_LIMITS
+    from tformer_cli.config import DECODE_LIMITS, SEED_RANGE
 
     at_least_one = (lambda v: v >= 1, ">= 1")
     limits = {**DECODE_LIMITS, "nbest": at_least_one, "max_new_tokens": at_least_one,
-              "max_samples": at_least_one, "align_layer": at_least_one, "seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2^32)")}
+              "max_samples": at_least_one, "align_layer": at_least_one, "seed": SEED_RANGE}
     for name, value in flags.items():
         ok, expected = limits[name]
         if value is not None and not ok(value):

@@ -171,6 +171,9 @@ class DecodeConfig:
     epsilon: Optional[float] = None  # sampling: only tokens of at least this probability; null: 0 (off), 0.02 for MBR
 
 
+# train.seed's and --seed's: a seed is combined with epochs, steps and ranks into torch's 64-bit seeds
+SEED_RANGE: tuple[Callable[[int], bool], str] = (lambda v: 0 <= v < 2 ** 32, "in [0, 2^32)")
+
 # The range of each decode setting, for the config check and for the same flags of `eval` and `generate`.
 DECODE_LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "beam_size": (lambda v: v >= 1, ">= 1"),
@@ -326,7 +329,7 @@ def _validate_data(d: DataConfig, m: ModelConfig, need: Need) -> None:
 
 def _validate_train(t: TrainConfig, d: DataConfig, m: ModelConfig, need: Need) -> None:
     need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
-    need(0 <= t.seed < 2 ** 32, "train.seed", f"must be in [0, 2^32), got {t.seed}")
+    need(SEED_RANGE[0](t.seed), "train.seed", f"must be {SEED_RANGE[1]}, got {t.seed}")
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas",
          f"must be two numbers in [0, 1), got {t.betas}")
     need(t.eps > 0, "train.eps", f"must be > 0, got {t.eps}")
