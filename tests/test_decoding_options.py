@@ -468,6 +468,15 @@ def test_decoding_mistakes_get_one_line(trained_run, tmp_path):
         result = runner.invoke(app, list(args), input="twenty-one\n")
         assert result.exit_code == 1 and message in result.output, (args, result.output)
         assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    # JSON escapes half of a UTF-16 pair, which Python reads as a lone surrogate that tokenizers refused
+    for line, message in (('{"input": "bad \\ud800"}', "line 1: input: character 5 is half of a UTF-16 pair "
+                                                         "('\\ud800'), not a character; escape whole characters"),
+                          ('{"input": "seven", "prefix": "\\udfff"}', "line 1: prefix: character 1 is half")):
+        result = runner.invoke(app, ["generate", run, "--json-input"], input=line + "\n")
+        assert result.exit_code == 1 and message in result.output, (line, result.output)
+        assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    result = runner.invoke(app, ["generate", run, "--json-input"], input='{"input": "seven \\ud83d\\ude00"}\n')
+    assert result.exit_code == 0  # a whole pair: one character
 
 
 def test_epsilon_sampling_draws_only_tokens_of_at_least_that_probability():

@@ -394,6 +394,13 @@ def json_lines(lines, default_prefix: str | None, vocab: Vocabulary):
                 or not isinstance(record.get("prefix", ""), str):
             raise UsageError(f'standard input, line {number}: expected {{"input": TEXT}}, optionally with '
                              '"prefix": TEXT')
+        for key in ("input", "prefix"):  # JSON may escape half a character (\ud800), which no text holds
+            try:
+                record.get(key, "").encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise UsageError(f"standard input, line {number}: {key}: character {exc.start + 1} is half of a "
+                                 f"UTF-16 pair ({record[key][exc.start]!r}), not a character; escape whole "
+                                 "characters") from None
         check_prefix(vocab, f"standard input, line {number}: prefix", record.get("prefix"))
         yield record["input"], record.get("prefix", default_prefix)
 
