@@ -62,6 +62,30 @@ def test_cosine_bounded_by_epochs_reaches_min_lr_on_the_last_step(tmp_path):
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
 
 
+def test_raising_a_cosine_runs_limit_on_resume_warns_that_its_rate_rises_and_says_how_to_go_on(tmp_path):
+    import shutil
+
+    path = write_config(tmp_path / "c.yaml", train={"schedule": "cosine", "lr": 1e-3, "min_lr": 1e-5, "warmup_steps": 1,
+                                                    "max_steps": 8, "eval_every": 2, "keep_last": 4})
+    train(load_config(path), tmp_path / "run")
+
+    def warnings(overrides: list[str]) -> list[str]:
+        events = []
+        config, run_dir = prepare_run(None, tmp_path / "run", overrides, None)
+        train(config, run_dir, resume=True, callback=lambda event, data: events.append((event, data)))
+        return [data["message"] for event, data in events if event == "warning"]
+
+    for later in ("step-00000006", "step-00000008"):  # stopped at step 4: the decay goes on where it was
+        shutil.rmtree(tmp_path / "run" / "checkpoints" / later)
+    assert warnings([]) == []
+    longer = replace(load_config(path).train, max_steps=12)
+    assert warnings(["train.max_steps=12"]) == [
+        f"the learning rate rises from 1e-05 at step 8 to {learning_rate(9, longer, 0):.3g}: the cosine schedule decays "
+        "over train.max_steps (or epochs, max_time), so raising them stretches its whole decay; to go on at the rate "
+        "reached, resume with --set train.schedule=constant --set train.lr=1e-05"]
+    assert warnings(["train.max_steps=14", "train.schedule=constant", "train.lr=1e-5"]) == []  # as it advised
+
+
 def test_a_tiny_model_overfits_one_batch():
     model = build_model(tiny_model_config(dropout=0.0), 30)
     src = torch.randint(4, 30, (4, 7))

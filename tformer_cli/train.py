@@ -82,6 +82,8 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     steps_per_epoch = math.ceil(len(first_epoch) / accumulation)
     total_steps = _total_steps(cfg, steps_per_epoch)
     notify("start", _start_info(setup, steps_per_epoch, accumulation, total_steps))
+    if rise := _cosine_restarted(setup, total_steps):
+        notify("warning", {"message": rise})
     flops = _model_flops(setup, data, None if slow else matmul_peak(device, setup.precision))
     with signals.during_setup():  # set-up: a signal stops it at once, and the clocks start after it
         _build_kernels(setup, data, batches)
@@ -192,6 +194,23 @@ def _resume_in_batches_of_now(state: TrainState, cfg: TrainConfig, processes: in
     elif state.processes != processes:  # the same batches, dealt to another number: same place in the epoch
         state.batch_in_epoch = math.ceil(state.batch_in_epoch * state.processes / processes)
     state.processes, state.accumulation = processes, accumulation
+
+
+def _cosine_restarted(setup: Setup, total_steps: int | None) -> str | None:
+    """Why a resumed cosine run's next learning rate is above its last one (past warmup the schedule
+    only falls): its limits were raised, and the decay stretched over them restarts from higher up."""
+    cfg, state = setup.config.train, setup.state
+    if cfg.schedule != "cosine" or state.step == 0 or state.step < cfg.warmup_steps:
+        return None
+    last = setup.optimizer.param_groups[0]["lr"]  # the last step's, from the checkpoint's optimizer state
+    horizon = cosine_horizon(cfg, total_steps, state.step, state.elapsed)
+    upcoming = learning_rate(state.step + 1, cfg, setup.config.model.d_model, horizon)
+    if upcoming <= last * 1.01 + 1e-12:
+        return None
+    go_on = (f"; to go on at the rate reached, resume with --set train.schedule=constant --set train.lr={last:.3g}"
+             if last > 0 else "")
+    return (f"the learning rate rises from {last:.3g} at step {state.step} to {upcoming:.3g}: the cosine schedule "
+            f"decays over train.max_steps (or epochs, max_time), so raising them stretches its whole decay{go_on}")
 
 
 def _no_step(cfg: TrainConfig, pairs: int, processes: int, accumulation: int) -> str:
