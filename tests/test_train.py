@@ -62,6 +62,14 @@ def test_cosine_bounded_by_epochs_reaches_min_lr_on_the_last_step(tmp_path):
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
 
 
+def _resume_warnings(run: Path, overrides: list[str]) -> list[str]:
+    """The warnings of resuming ``run`` with ``overrides``."""
+    events = []
+    config, run_dir = prepare_run(None, run, overrides, None)
+    train(config, run_dir, resume=True, callback=lambda event, data: events.append((event, data)))
+    return [data["message"] for event, data in events if event == "warning"]
+
+
 def test_raising_a_cosine_runs_limit_on_resume_warns_that_its_rate_rises_and_says_how_to_go_on(tmp_path):
     import shutil
 
@@ -70,10 +78,7 @@ def test_raising_a_cosine_runs_limit_on_resume_warns_that_its_rate_rises_and_say
     train(load_config(path), tmp_path / "run")
 
     def warnings(overrides: list[str]) -> list[str]:
-        events = []
-        config, run_dir = prepare_run(None, tmp_path / "run", overrides, None)
-        train(config, run_dir, resume=True, callback=lambda event, data: events.append((event, data)))
-        return [data["message"] for event, data in events if event == "warning"]
+        return _resume_warnings(tmp_path / "run", overrides)
 
     for later in ("step-00000006", "step-00000008"):  # stopped at step 4: the decay goes on where it was
         shutil.rmtree(tmp_path / "run" / "checkpoints" / later)
@@ -334,10 +339,7 @@ def test_a_resume_on_other_training_data_says_it_will_not_match_a_run_never_stop
     train(load_config(path), tmp_path / "run")
 
     def warnings(overrides: list[str]) -> list[str]:
-        events = []
-        config, run_dir = prepare_run(None, tmp_path / "run", overrides, None)
-        train(config, run_dir, resume=True, callback=lambda event, data: events.append((event, data)))
-        return [data["message"] for event, data in events if event == "warning"]
+        return _resume_warnings(tmp_path / "run", overrides)
 
     assert warnings(["train.max_steps=3"]) == []
     changed = warnings(["train.max_steps=4", "data.max_samples=200"])
