@@ -149,7 +149,7 @@ def test_on_several_machines_the_launchers_torch_keeps_its_cpp_warnings_to_itsel
 ])
 def test_a_mistake_is_one_line_before_any_process_starts(tmp_path, config, monkeypatch, args, message):
     monkeypatch.setattr(launch, "launch", lambda *args: pytest.fail("processes started"))
-    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
+    monkeypatch.setattr("tformer_cli.tokenizer.usable_cpus", lambda: 2)  # launch imports it when it asks
     result = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "run"),
                                       "--nproc-per-node", "2", *args])
     lines = result.output.strip().splitlines()
@@ -272,7 +272,6 @@ def test_a_signal_while_an_error_unwinds_reports_the_error(tmp_path, config, mon
 
 def test_one_process_trains_in_this_one(tmp_path, config, monkeypatch):
     monkeypatch.setattr(launch, "launch", lambda *args: pytest.fail("processes started"))
-    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
     result = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "run"), "--quiet",
                                       "--nproc-per-node", "1"])
     assert result.exit_code == 0 and step_checkpoints(tmp_path / "run")

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from tformer_cli.errors import TformerError, UsageError, first_line
-from tformer_cli.tokenizer import usable_cpus
 
 # each option of ``tformer train`` by its parameter's name
 TRAIN_FLAGS = {"resume": "--resume", "overrides": "--set", "device": "--device", "output_dir": "--output-dir",
@@ -105,6 +104,8 @@ def process_count(processes: str) -> int:
         count = int(processes)
     else:
         raise UsageError(f"--nproc-per-node {processes}: give a number of processes (1 or more), or gpu")
+    from tformer_cli.tokenizer import usable_cpus  # here: the module loads tokenizers, which other commands skip
+
     if count > (cores := usable_cpus()):  # torch's launcher would plan every process before starting one
         raise UsageError(f"--nproc-per-node {count}: this machine has {cores} CPU cores, and each training process "
                          f"needs one; give at most {cores}")
@@ -180,6 +181,8 @@ def launch(group: Group, argv: list[str], run_dir: Path) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[LAUNCHED] = "1"
     # torchrun's default is 1 thread a process; the machine's cores shared out keeps a CPU run as fast
+    from tformer_cli.tokenizer import usable_cpus
+
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // group.processes)))
     # the machines' agents meet in the run's name: two runs given one endpoint by mistake do not mix
     run_id = f"tformer-{run_dir.name}" if group.endpoint else str(uuid.uuid4())
