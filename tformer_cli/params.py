@@ -9,7 +9,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from tformer_cli.config import ModelConfig
-from tformer_cli.errors import ConfigError, first_line
+from tformer_cli.errors import ConfigError, first_line, out_of_memory
 
 
 @dataclass
@@ -79,7 +79,9 @@ def parameter_rows(c: ModelConfig, src_vocab: int, tgt_vocab: int | None = None)
     try:
         with torch.device("meta"):
             model = build_model(c, src_vocab, tgt_vocab)
-    except RuntimeError as exc:  # a weight of 2^63 bytes or more: torch cannot size it, even on the meta device
+    except RuntimeError as exc:
+        if not out_of_memory(exc):  # as torch sees a weight of 2^63 bytes or more, even on the meta device
+            raise
         raise ConfigError(f"the model is too large for torch to build ({first_line(exc)}); lower model.d_model, "
                           "model.d_ff or data.vocab_size") from None
     named = list(model.named_parameters())  # tied weights appear once

@@ -77,6 +77,7 @@ class Setup:
         cfg = config.train
         seed_everything(cfg.seed)  # the same initial weights in every process
         checkpoint = self._last_checkpoint() if resume else None
+        self._check_fits()
         self.model = self._build_model(draw=checkpoint is None)  # resumed: the weights come from the checkpoint
         if checkpoint is not None:
             load_weights(self.model, checkpoint / WEIGHTS)
@@ -162,7 +163,6 @@ class Setup:
     def _build_model(self, draw: bool = True) -> torch.nn.Module:
         """The model on the training device, with the speed layer; its weights drawn, or with ``draw``
         False left as allocated, for weights loaded next."""
-        self._check_fits()
         try:
             with nullcontext() if draw else skipping_random_init():
                 model = build_model(self.config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID)
