@@ -485,18 +485,18 @@ def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, mon
     monkeypatch.setattr(training, "train", gpu_full)
     monkeypatch.setattr(decoding, "translate", cpu_full)
     config = write_config(tmp_path / "m.yaml")
+    decoding_line = ("error: out of CPU memory: lower --batch-size or --max-tokens (what is decoded together), or "
+                     "--beam-size or --nbest (hypotheses a sentence)")
     for command, line in ((["train", str(config), "--output-dir", str(tmp_path / "run")],
                            "error: out of GPU memory: lower train.max_tokens (with train.step_tokens a step keeps "
                            "its tokens, in more batches; without, raise train.grad_accum to keep them); a run with "
                            "checkpoints goes on with tformer train --resume RUN --set train.max_tokens=..."),
-                          (["generate", str(run_dir), "seven"],
-                           "error: out of CPU memory: lower --batch-size or --max-tokens (what is decoded "
-                           "together), or --beam-size or --nbest (hypotheses a sentence)")):
+                          (["generate", str(run_dir), "seven"], decoding_line)):
         result = runner.invoke(app, command)
         assert result.exit_code == 1 and result.output.strip() == line, result.output
     monkeypatch.undo()  # a request past the sizes torch can count: torch says its size overflowed
     result = runner.invoke(app, ["generate", str(run_dir), "seven", "--beam", str(2 ** 63 - 1)])
-    assert result.exit_code == 1 and result.output.strip() == line, result.output
+    assert result.exit_code == 1 and result.output.strip() == decoding_line, result.output
     monkeypatch.setattr(decoding, "translate", lambda *args: 1 / 0)  # other errors are not hidden
     assert isinstance(runner.invoke(app, ["generate", str(run_dir), "seven"]).exception, ZeroDivisionError)
     monkeypatch.undo()  # a model too large to build: no batch size helps
