@@ -194,7 +194,7 @@ def layout(name: str, batch: Batch, q, k, v):  # noqa: ANN001
     raise ValueError(name)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", default="base", choices=systems.SIZES)
@@ -204,7 +204,7 @@ def main() -> None:
     parser.add_argument("--flex-row", type=int, default=1024, help="tokens a row of flex_attention's")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device, size = torch.device(args.device), systems.SIZES[args.size]
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)

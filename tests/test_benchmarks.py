@@ -16,8 +16,9 @@ RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
 
 def test_one_run_writes_medians_and_the_ratio_to_the_peer(tmp_path):
     out = tmp_path / "results.json"
-    subprocess.run([sys.executable, str(RUN), "--workloads", "train,greedy", "--sizes", "small", "--peers", "torch",
-                    "--repeats", "1", "--warmup", "0", "--json", str(out)], check=True, capture_output=True)
+    subprocess.run([sys.executable, str(RUN), "--workloads", "train,greedy", "--sizes", "host", "--train-batch", "8",
+                    "--peers", "torch", "--repeats", "1", "--warmup", "0", "--json", str(out)], check=True,
+                   capture_output=True)  # the smallest size, 64 wide: the run's processes, not its arithmetic
     results = json.loads(out.read_text())
     assert results["meta"]["precision"] == "fp32" and results["meta"]["matmul_peak_flops"] > 0
     records = {(r["workload"], r["system"]): r for r in results["records"]}
@@ -32,45 +33,40 @@ def test_one_run_writes_medians_and_the_ratio_to_the_peer(tmp_path):
     assert all(0 <= r["warmup_s"] < 0.1 for r in records.values())  # the warm-up's time alone: none asked for
 
 
-def test_an_unknown_workload_or_size_is_a_one_line_error():
-    result = subprocess.run([sys.executable, str(RUN), "--workloads", "train,infer", "--sizes", "small"],
-                            capture_output=True, text=True)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].endswith("--workloads: unknown infer; choose from train, greedy, "
-                                                            "beam, memory, data")
-
-
-def test_an_unknown_speed_layer_piece_is_a_one_line_error():
-    result = subprocess.run([sys.executable, str(RUN), "--accel-skip", "dropout,lossy"], capture_output=True, text=True)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].endswith("--accel-skip: unknown lossy; choose from linear, gemm, "
-                                                            "dropout, attention, runtime, loss, graphs")
-
-
-def test_a_count_below_one_is_a_one_line_error():
-    result = subprocess.run([sys.executable, str(RUN), "--repeats", "0"], capture_output=True, text=True)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].endswith("--repeats: '0' is not a whole number of at least 1")
-
-
-def test_the_table_says_whether_batching_stalls_a_training_step(capsys):
+@pytest.fixture
+def run(monkeypatch):
+    """benchmarks/run.py as a module: its functions, and ``main(argv)`` in this process."""
     import importlib.util
 
+    monkeypatch.syspath_prepend(str(RUN.parent))
     spec = importlib.util.spec_from_file_location("bench_run", RUN)
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workloads", "train,infer", "--sizes", "small"],
+     "--workloads: unknown infer; choose from train, greedy, beam, memory, data"),
+    (["--accel-skip", "dropout,lossy"],
+     "--accel-skip: unknown lossy; choose from linear, gemm, dropout, attention, runtime, loss, graphs"),
+    (["--repeats", "0"], "--repeats: '0' is not a whole number of at least 1"),
+], ids=["workloads", "accel-skip", "repeats"])
+def test_a_mistaken_flag_is_a_one_line_error(run, capsys, args, message):
+    with pytest.raises(SystemExit) as exited:
+        run.main(args)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+
+
+def test_the_table_says_whether_batching_stalls_a_training_step(run, capsys):
     record = {"workload": "data", "size": "Multi30k", "system": "tformer", "median": 26732.7, "min": 26732.7,
               "max": 26732.7, "unit": "pairs/s", "collate_ms_per_batch": 0.117, "collate_share_of_step": 0.00049}
     run.print_table([record], "cpu (2 cores)", 4.8e11)
     assert "collate 0.12 ms a batch, 0.05 % of a step" in capsys.readouterr().out
 
 
-def test_tformers_own_variants_are_not_counted_as_peers_and_each_gets_its_ratio():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_run", RUN)
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
+def test_tformers_own_variants_are_not_counted_as_peers_and_each_gets_its_ratio(run):
     records = [{"workload": "train", "size": "base", "system": system, "median": median}
                for system, median in (("tformer", 100.0), ("tformer +compile", 150.0), ("Marian", 50.0))]
     run.add_ratios(records)
@@ -110,16 +106,9 @@ def test_paper_scale_decoding_translates_a_test_set_batched_by_tokens():
             assert (src[:, -1] == EOS).any() and (src[:, 0] != PAD).all()
 
 
-def test_a_run_cut_short_keeps_the_workloads_it_finished(tmp_path, monkeypatch):
+def test_a_run_cut_short_keeps_the_workloads_it_finished(run, tmp_path, monkeypatch):
     """A time limit (a lent GPU's, a CI job's) that stops the suite mid-way leaves the finished
     workloads' records in --json, ratios included."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_run", RUN)
-    run = importlib.util.module_from_spec(spec)
-    monkeypatch.syspath_prepend(str(RUN.parent))
-    spec.loader.exec_module(run)
-
     def fake_speed(workload, size, args, peers, peak):
         if workload == "greedy":
             raise KeyboardInterrupt  # the limit strikes during the second workload
@@ -177,16 +166,17 @@ def test_the_step_profile_sorts_a_steps_time_into_kinds_on_a_cpu():
     assert len(re.findall(r"target tokens/s, MFU 0\.\d{3}", result.stdout)) == 5  # each training variant
 
 
-def test_packed_attention_computes_what_the_padded_model_computes_on_a_cpu():
+def test_packed_attention_computes_what_the_padded_model_computes_on_a_cpu(monkeypatch, capsys):
     """attention_packing.py checks each layout's output against the padded call at the real positions
     (for the encoder's, the decoder's causal and the cross-attention) before it times them."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_packing.py"
-    result = subprocess.run([sys.executable, str(script), "--device", "cpu", "--size", "small", "--tokens", "600",
-                             "--steps", "2", "--row", "64", "--variants", "padded,packed", "--repeats", "1"],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
-    table = {line[:14].strip(): line[14:].split() for line in result.stdout.splitlines()[1:]}
-    assert table[""] == ["padded", "packed"]
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    from attention_packing import main
+
+    main(["--device", "cpu", "--size", "small", "--tokens", "600", "--steps", "2", "--row", "64", "--variants",
+          "padded,packed", "--repeats", "1"])
+    out = capsys.readouterr().out
+    table = {line[:14].strip(): line[14:].split() for line in out.splitlines()[1:]}
+    assert table[""] == ["padded", "packed"]  # the packed layout is not left out for differing from padded
     assert set(table) == {"", "encoder self", "decoder self", "cross", "all"}
     assert all(float(ms) > 0 for row in ("encoder self", "decoder self", "cross", "all") for ms in table[row])
 
@@ -228,6 +218,10 @@ def test_the_memory_prediction_counts_each_storage_while_it_lives():
         c = b + view.sum()  # a 4-byte scalar and another MiB
         del b, view, c
     assert (live.peak, live.now) == (2 * 2**20 + 4, 0)
+
+
+@pytest.mark.slow  # traces two systems' training steps, ~9 s
+def test_the_memory_prediction_compares_tformer_with_the_lowest_peer():
     script = RUN.parent / "predict_memory.py"
     result = subprocess.run([sys.executable, str(script), "--sizes", "host", "--sentences", "4", "--systems",
                              "tformer,torch"], capture_output=True, text=True, check=True)

@@ -386,30 +386,28 @@ def test_eval_output_into_a_stream_is_written_as_it_comes(run_dir, tmp_path):
     assert is_stream("/dev/stdout") and is_stream("/dev/fd/1") and is_stream("/dev/null")
     assert not is_stream(tmp_path / "hyps.txt") and not is_stream("/dev/shm/hyps.txt")  # files, replaced whole
 
-    def evaluate(output: str, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "tformer_cli", "eval", str(run_dir), "--max-samples", "2",
-                               "--beam-size", "1", "--output", output, "--json"], timeout=120, **kwargs)
-
-    log = tmp_path / "log.txt"
+    args = ["eval", str(run_dir), "--max-samples", "2", "--beam-size", "1", "--json", "--output"]
+    log = tmp_path / "log.txt"  # the process's own stdout: a subprocess
     log.write_text("kept\n")
     with open(log, "a") as appended:
-        assert evaluate("/dev/stdout", stdout=appended).returncode == 0
+        done = subprocess.run([sys.executable, "-m", "tformer_cli", *args, "/dev/stdout"], stdout=appended, timeout=120)
     lines = log.read_text().splitlines()
-    assert lines[0] == "kept" and len(lines) == 4 and json.loads(lines[3])["sentences"] == 2, lines
+    assert done.returncode == 0 and lines[0] == "kept" and len(lines) == 4, lines
+    assert json.loads(lines[3])["sentences"] == 2
     hypotheses = lines[1:3]
 
     read, write = os.pipe()  # what bash's >(...) hands a command: /dev/fd/N
-    done = evaluate(f"/dev/fd/{write}", pass_fds=[write], capture_output=True)
+    done = runner.invoke(app, [*args, f"/dev/fd/{write}"])
     os.close(write)
     with os.fdopen(read) as piped:
-        assert done.returncode == 0 and piped.read().splitlines() == hypotheses, done.stderr
+        assert done.exit_code == 0 and piped.read().splitlines() == hypotheses, done.output
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     received = []
     reader = threading.Thread(target=lambda: received.extend(fifo.read_text().splitlines()), daemon=True)
     reader.start()
-    assert evaluate(str(fifo), capture_output=True).returncode == 0
+    assert runner.invoke(app, [*args, str(fifo)]).exit_code == 0
     reader.join(timeout=60)
     assert received == hypotheses
 

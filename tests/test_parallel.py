@@ -77,16 +77,24 @@ def test_ddp_two_processes_train_as_one_process_accumulating_two_batches(tmp_pat
     scores = [[(r["bleu"], r["chrf"], r["exact_match"]) for r in _records(run) if r["split"] == "validation"]
               for run in (one, two)]
     assert scores[0] == scores[1] and len(scores[0]) == 2
-    # two processes' first 2 steps, resumed by one process taking two batches a step: the same run
-    halfway = tmp_path / "halfway"
+
+
+@pytest.mark.slow  # two launches of two processes, ~10 s
+def test_ddp_runs_resume_on_another_number_of_processes_and_stop_together_at_a_time_limit(tmp_path, config):
+    # two processes' first 2 steps, resumed by one process taking two batches a step: the run one
+    # process takes (which two processes take: the test above)
+    one, halfway = tmp_path / "one", tmp_path / "halfway"
+    _one_process("train", str(config), "--output-dir", str(one), "--set", "train.grad_accum=2")
     _torchrun_ok(2, "train", str(config), "--output-dir", str(halfway), "--quiet", "--set", "train.max_steps=2")
-    _one_process("train", "--resume", str(halfway), "--set", "train.max_steps=4", "--set", "train.grad_accum=2")
-    _assert_same_weights(two, halfway)
+    resumed = CliRunner().invoke(app, ["train", "--resume", str(halfway), "--set", "train.max_steps=4", "--set",
+                                       "train.grad_accum=2", "--quiet", "--json"])
+    assert resumed.exit_code == 0, resumed.output
+    _assert_same_weights(one, halfway)
     # resumed by two processes, the run goes on from its last checkpoint; a time limit stops both at
     # one step (rank 0's clock), or one would wait forever for the other's gradients
-    limit = summary["elapsed"] + 2
-    more = _torchrun_ok(2, "train", "--resume", str(two), "--set", "train.max_steps=null", "--set",
-                     f"train.max_time={limit}", "--quiet", "--json")
+    limit = json.loads(resumed.stdout)["elapsed"] + 2
+    more = _torchrun_ok(2, "train", "--resume", str(halfway), "--set", "train.max_steps=null", "--set",
+                        f"train.max_time={limit}", "--quiet", "--json")
     resumed = json.loads(more.stdout)
     assert resumed["stop_reason"] == f"reached train.max_time {limit:g} s" and resumed["step"] > 4
 
