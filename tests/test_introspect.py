@@ -1,5 +1,6 @@
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -117,9 +118,14 @@ def test_terminal_heatmap_fits_the_width_and_shows_labels(setup, width, values, 
 def test_image_is_written(setup, tmp_path):
     model, vocab = setup
     capture = capture_attention(model, vocab, TEXTS[0], TEXTS[1])
+    maps = select_maps(capture, "encoder", "all", "all")
     for name in ("grid.png", "grid.svg"):
-        save_image(select_maps(capture, "encoder", "all", "all"), tmp_path / name)
+        save_image(maps, tmp_path / name)
         assert (tmp_path / name).stat().st_size > 1000
+    # a vector image holds each map's weights as they are, a pixel a cell, and its colour bars as vectors:
+    # a rasterized bar renders the whole figure as pixels once per bar (seconds a map)
+    images = re.findall(r'<image\b[^>]*?width="([\d.]+)" height="([\d.]+)"', (tmp_path / "grid.svg").read_text())
+    assert images == [(str(len(m.columns)), str(len(m.rows))) for m in maps]
 
 
 def test_inspect_attention_cli(trained_run, tmp_path):

@@ -123,12 +123,16 @@ def save_image(maps: list[AttentionMap], path: Path) -> None:
     fig, axes = plt.subplots(n_rows, n_cols, figsize=(fig_w, fig_h), squeeze=False)
     for amap in maps:
         ax = axes[layers.index(amap.layer)][heads.index(amap.head)]
-        image = ax.imshow(amap.weights.numpy(), cmap="viridis", vmin=0.0, aspect="auto")
+        # interpolation none: a cell is a flat square, and .svg/.pdf hold the weights, not a resampled picture
+        image = ax.imshow(amap.weights.numpy(), cmap="viridis", vmin=0.0, aspect="auto", interpolation="none")
         # tokens are text: parse_math off, or a $ pair would be typeset as mathematics (or fail to)
         ax.set_xticks(range(len(amap.columns)), amap.columns, rotation=90, fontsize=8, parse_math=False)
         ax.set_yticks(range(len(amap.rows)), amap.rows, fontsize=8, parse_math=False)
         ax.set_title(amap.title, fontsize=9, parse_math=False)
-        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+        colorbar = fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+        # drawn as vectors: a rasterized bar makes .svg and .pdf render the whole figure as pixels once per
+        # bar (66 s instead of 11 s for base's 48 maps of a 30-token sentence)
+        colorbar.solids.set_rasterized(False)
     fig.tight_layout()
     write_figure(fig, path, dpi=150)
     plt.close(fig)
