@@ -412,6 +412,17 @@ def test_eval_output_into_a_stream_is_written_as_it_comes(run_dir, tmp_path):
     assert received == hypotheses
 
 
+def test_eval_output_to_a_descriptor_that_is_not_open_fails_before_decoding(run_dir, monkeypatch):
+    """/dev/fd/N of a descriptor the shell did not open is no stream to write: a file that cannot be
+    created, refused at once rather than after the whole evaluation."""
+    import tformer_cli.decoding as decoding
+
+    closed = next(fd for fd in range(900, 1000) if not os.path.exists(f"/dev/fd/{fd}"))
+    monkeypatch.setattr(decoding, "translate", lambda *args, **kwargs: pytest.fail("decoded"))
+    result = runner.invoke(app, ["eval", str(run_dir), "--max-samples", "2", "--output", f"/dev/fd/{closed}"])
+    assert result.exit_code == 1 and result.output.strip() == f"error: /dev/fd/{closed}: No such file or directory"
+
+
 def test_eval_output_never_replaces_a_runs_files_or_the_data_it_reads(run_dir, tmp_path):
     run, dataset = tmp_path / "run", tmp_path / "numbers"  # copies: were a check to fail, nothing shared is lost
     shutil.copytree(run_dir, run)

@@ -97,10 +97,10 @@ def is_stream(path: Path) -> bool:
     """Whether ``path`` names a stream rather than a file to replace: /dev/stdout, a shell's ``>(...)``
     (/dev/fd/N), a named pipe, a device."""
     path = Path(path)
-    if path.exists() and not path.is_file():
-        return True
-    # an open descriptor, whatever it is open on (a file, after the shell's >)
-    return str(path.absolute()).startswith(("/dev/std", "/dev/fd/", "/proc/"))
+    if not path.exists():  # a descriptor that is not open (/dev/fd/9): a file to create, which fails at once
+        return False
+    # a pipe or device; or an open descriptor, whatever it is open on (a file, after the shell's >)
+    return not path.is_file() or str(path.absolute()).startswith(("/dev/std", "/dev/fd/", "/proc/"))
 
 
 def write_output(path: Path, text: str) -> None:
