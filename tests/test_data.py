@@ -9,7 +9,8 @@ import torch
 
 from tformer_cli.batching import collate, token_batches
 from tformer_cli.config import DataConfig
-from tformer_cli.data import absolute_paths, load_pairs, pin_revision
+from tformer_cli.data import load_pairs, pin_revision
+from tformer_cli.data_paths import absolute_paths
 from tformer_cli.encoding import (
     EncodedSplit, cached_vocabulary, data_fingerprint, encode_split, encodings_cached, joined, load_encoded, resegment,
     split_counts, split_from_tensors, split_tensors, train_or_load_vocabulary)

@@ -138,7 +138,7 @@ def eval_command(
 def _check_data_files(data_files: list[str] | None) -> list[str] | None:
     """``data_files`` with each glob pattern (a quoted ``'shards/*.jsonl'``) replaced by the files it
     matches, sorted, as training reads them; each checked to be a readable file."""
-    from tformer_cli.data import data_file_names, not_a_data_file
+    from tformer_cli.data_paths import data_file_names, not_a_data_file
 
     files = [name for path in data_files or [] for name in data_file_names(path, "auto", option="--data-files")]
     for name in files:
@@ -154,7 +154,7 @@ def _eval_data(data: DataConfig, split: str, data_files: list[str] | None, sourc
     paths made absolute as training makes them (a config edited by hand may name ``~/data``)."""
     from dataclasses import replace
 
-    from tformer_cli.data import absolute_paths
+    from tformer_cli.data_paths import absolute_paths
 
     data = absolute_paths(data)
     if data_files:
@@ -337,7 +337,7 @@ def _check_generate_flags(texts: list[str], prefix: str | None, sample: bool, be
 def check_hypotheses_file(output: Path, data: DataConfig) -> None:
     """eval's ``--output`` may replace a file of its own, never a run's files or the data it reads; it
     is created now, so that an unwritable path fails before the evaluation."""
-    from tformer_cli.data import local_sources
+    from tformer_cli.data_paths import local_sources
     from tformer_cli.files import is_stream
     from tformer_cli.run_folder import is_run_file
 

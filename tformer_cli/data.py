@@ -3,15 +3,14 @@ a local dataset folder or data files, with one-line errors for whatever cannot b
 
 ``data.dataset`` is a hub id or a local dataset folder; ``data.data_files`` maps splits to files
 (json/jsonl, csv, tsv, parquet, or a [source, target] pair of plain-text files; .gz allowed). The pairs are
-tokenised and cached by ``encoding.py`` and batched by ``batching.py``.
+tokenised and cached by ``encoding.py`` and batched by ``batching.py``; ``data_paths.py`` finds the files
+that a config names.
 """
 
 from __future__ import annotations
 
 import glob
 import gzip
-import hashlib
-import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -21,85 +20,20 @@ from typing import Any
 
 from tformer_cli import hub
 from tformer_cli.config import DataConfig
+from tformer_cli.data_paths import (data_file_names, format_of_name, has_glob, is_local_name, not_a_data_file,
+                                    version_name)
 from tformer_cli.errors import DataError, brief, first_line
 
-FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".txt": "text"}
 READ_CHUNK = 100_000  # pairs made Python strings at a time, so that a split of millions never is at once
-
-
-def absolute_paths(cfg: DataConfig) -> DataConfig:
-    """``cfg`` with the local dataset folder and data files that exist made absolute, so that a run
-    folder's config finds its data from any directory (``tformer eval runs/x`` run elsewhere), and each
-    glob pattern of data files (``train-*.jsonl``, as ``datasets`` takes them) replaced by the files it
-    matches, sorted: the run records what it read. Hub ids and missing paths stay as written."""
-    def absolute(path: Any) -> Any:
-        if isinstance(path, list):
-            return [absolute(p) for p in path]
-        local = Path(path).expanduser() if isinstance(path, str) else None
-        return str(local.resolve()) if local is not None and local.exists() else path
-
-    def matched(files: Any) -> Any:
-        if isinstance(files, str) and not is_pattern(files):
-            return absolute(files)
-        return absolute(data_file_names(files, cfg.format))
-
-    files = {split: matched(f) for split, f in cfg.data_files.items()} if cfg.data_files else cfg.data_files
-    return replace(cfg, dataset=absolute(cfg.dataset), data_files=files)
 
 
 def pin_revision(cfg: DataConfig) -> DataConfig:
     """``cfg`` with a hub dataset's revision (a branch, or none: the default branch) replaced by the
     commit it is at now, so that the run's config.yaml names the version it read, and a resume, an
     eval and the cache key read that one. Local data, and a hub the run cannot reach, stay as they are."""
-    if cfg.data_files or not cfg.dataset or _local_name(cfg.dataset):
+    if cfg.data_files or not cfg.dataset or is_local_name(cfg.dataset):
         return cfg
     return replace(cfg, revision=hub.commit_of(cfg.dataset, cfg.revision) or cfg.revision)
-
-
-def _local_name(name: str) -> bool:
-    """A dataset folder's name, not a hub id (owner/name)."""
-    return Path(name).expanduser().exists() or name.startswith(("/", "./", "../", "~"))
-
-
-def data_file_names(files: str | list[str], fmt: str, option: str = "data.data_files") -> list[str]:
-    """A split's data files as a list, each glob pattern (``train-*.jsonl``, ``shards/**/*.jsonl``)
-    replaced by the files it matches, sorted; a pattern that matches none stays, for the error that
-    names it. ``fmt``: data.format; ``option``: where the names came from, for that error.
-
-    Raises:
-        DataError: a pattern matches plain-text files (train.de, train.en): a text split is a [source,
-            target] pair in that order, which sorting by name would not keep.
-    """
-    names = []
-    for name in [files] if isinstance(files, str) else files:
-        matches = glob.glob(os.path.expanduser(name), recursive=True) if is_pattern(name) else []
-        matches = sorted(f for f in matches if os.path.isfile(f))
-        if matches and (fmt == "text" or (fmt == "auto" and _format_of_name(matches[0]) in (None, "text"))):
-            raise DataError(f"{option}: {name} matches plain-text files ({', '.join(matches[:2])}"
-                            f"{', ...' if len(matches) > 2 else ''}), whose order says which is the source; "
-                            "name them one by one, [source, target]")
-        names += matches or [name]
-    return names
-
-
-def _globs(text: str) -> bool:
-    """Whether ``text`` holds a character that glob (and so ``datasets``) reads as a pattern."""
-    return any(c in text for c in "*?[")
-
-
-def is_pattern(name: Any) -> bool:
-    """A glob pattern, not a file's own name (which may hold brackets)."""
-    return isinstance(name, str) and _globs(name) and not Path(name).expanduser().exists()
-
-
-def local_sources(cfg: DataConfig) -> list[Path]:
-    """The local data files, or the local dataset folder, that ``cfg``'s splits are read from (none
-    for a hub dataset), resolved."""
-    if cfg.data_files:
-        return [Path(f).expanduser().resolve() for files in cfg.data_files.values()
-                for f in data_file_names(files, cfg.format)]
-    folder = Path(cfg.dataset).expanduser() if cfg.dataset else None
-    return [folder.resolve()] if folder is not None and folder.is_dir() else []
 
 
 def load_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
@@ -203,37 +137,17 @@ def _not_utf8(where: str, exc: UnicodeDecodeError) -> DataError:
                      "data to UTF-8, e.g. iconv -t UTF-8")
 
 
-def _format_of_name(path: str | Path) -> str | None:  # train.jsonl.gz: json; README.md: None
-    return FORMATS.get(Path(str(path).removesuffix(".gz")).suffix)
-
-
 def _format_of(files: list[str]) -> str:
     """The format that the first file's extension names; two files without a known extension are a
     source and a target text file, named by their languages as Moses and fairseq name them (train.de,
     train.en)."""
-    formats = [_format_of_name(f) for f in files]
+    formats = [format_of_name(f) for f in files]
     if formats[0] is not None:
         return formats[0]
     if len(files) == 2 and not any(formats):
         return "text"
     raise DataError(f"cannot tell the format of '{files[0]}' from its extension; name it .jsonl, .csv, .tsv, .parquet "
                     "or .txt, or set data.format to json, csv, tsv, parquet or text")
-
-
-def not_a_data_file(path: Path | str) -> str | None:
-    """What keeps ``path`` from being read as a data file, or None: datasets reads its files by name,
-    more than once, so a pipe (``<(zcat f.gz)``) will not do."""
-    path = Path(path)
-    if path.is_file():
-        return None
-    if path.is_dir():
-        return "is a folder; name its files"
-    if path.exists():
-        return "is not a regular file (a pipe, say); write the data to a file first (.gz files are read as they are)"
-    if re.match(r"[A-Za-z][\w+.-]+:/", str(path)):  # https://, hf://, s3:// (a Path keeps one slash)
-        return ("is a URL, and data files are read from local disk; download it first, or name a hub dataset "
-                "in data.dataset")
-    return "no file matches the pattern" if is_pattern(str(path)) else "no such file"
 
 
 _MISSING = {"no such file": "data file not found:", "no file matches the pattern": "no data file matches"}
@@ -261,7 +175,7 @@ def _load_files(fmt: str, files: list[str], **options: Any):
     try:
         with _datasets_errors(failed):
             names = [glob.escape(f) for f in files]  # datasets reads each name as a pattern: [draft].jsonl is a file
-            return datasets.load_dataset(fmt, _version_name(files), data_files={"split": names}, split="split",
+            return datasets.load_dataset(fmt, version_name(files), data_files={"split": names}, split="split",
                                          **options)
     except Exception as exc:  # datasets raises many kinds for unreadable files, the cause chained inside
         cause = _root_cause(exc)
@@ -362,7 +276,7 @@ def _check_split_files(folder: str, split: str) -> None:
         name = Path(twice[0]).name
         raise DataError(f"dataset folder '{folder}' holds both {name} and {name}.gz, which would both be read "
                         f"as split '{split}', the same pairs twice; keep one of them")
-    by_format = {fmt: Path(file).name for file in files if (fmt := _format_of_name(file))}  # README.md: none
+    by_format = {fmt: Path(file).name for file in files if (fmt := format_of_name(file))}  # README.md: none
     if len(by_format) > 1 and patterns != DEFAULT_PATTERNS_ALL:
         raise DataError(f"dataset folder '{folder}' holds split '{split}' in {len(by_format)} formats "
                         f"({', '.join(sorted(by_format.values()))}), of which only one would be read; keep one "
@@ -378,7 +292,7 @@ def _tsv_split(folder: str, split: str) -> list[str]:
     found = [path for path in (Path(folder) / f"{split}.tsv", Path(folder) / f"{split}.tsv.gz") if path.is_file()]
     if found:
         return [str(found[0])]
-    formats = {path.name: _format_of_name(path.name) for path in Path(folder).iterdir()}
+    formats = {path.name: format_of_name(path.name) for path in Path(folder).iterdir()}
     tsv = sorted(name for name, fmt in formats.items() if fmt == "tsv")
     if tsv and set(formats.values()) <= {"tsv", None}:
         raise DataError(f"dataset folder '{folder}' has no {split}.tsv (has: {', '.join(tsv)}); add it, or set "
@@ -399,49 +313,27 @@ def _missing_split(what: str, split: str, found: list[str], cfg: DataConfig) -> 
                      f"data.train_split / validation_split / test_split in training{no_validation}, --split with eval")
 
 
-def file_versions(path: Path | str) -> Any:
-    """What tells one version of local data from another: (path, size, time of change in ns) of a file,
-    or of each file in a folder; the path alone where there is nothing."""
-    path = Path(path)
-    if path.is_dir():
-        return sorted(file_versions(file) for file in path.rglob("*") if file.is_file())
-    try:
-        stat = path.stat()
-    except OSError:
-        return str(path)
-    return str(path), stat.st_size, stat.st_mtime_ns
-
-
-def _version_name(paths: list[str]) -> str:
-    """A name that changes with the size or the time of change of the local files (or folder) ``paths``:
-    the ``datasets`` config name of data files, and the cache folder of a dataset folder. ``datasets``
-    keys its cache of a local file by the time of change alone, which a file rewritten within one tick
-    of the clock (or one second, on some file systems) keeps: it gave back the earlier table. With the
-    size in the name too, a file that changed length is read again."""
-    return "tformer-" + hashlib.sha256(repr([file_versions(p) for p in paths]).encode()).hexdigest()[:16]
-
-
 def _load_named(name: str, subset: str | None, revision: str | None):
     """The splits of a hub dataset (at ``revision``) or a local dataset folder."""
     import datasets
 
     datasets.disable_progress_bars()
     local = Path(name).exists()
-    if not local and _local_name(name):
+    if not local and is_local_name(name):
         raise DataError(f"data.dataset: no such folder '{name}'; check the path (relative paths start "
                         "from the current directory), or evaluate other files with eval --data-files")
     if local and revision:
         raise DataError(f"data.revision: selects a version of a hub dataset, and '{name}' is a local folder; "
                         "remove data.revision")
-    if local and _globs(str(Path(name).resolve())):  # datasets globs under the folder's path
+    if local and has_glob(str(Path(name).resolve())):  # datasets globs under the folder's path
         raise DataError(f"data.dataset: the path of '{name}' holds one of * ? [ which datasets reads as a pattern; "
                         "rename the folder, or name its files in data.data_files")
     unreachable = None if local else hub.unreachable()
     failed: list[str] = []
     try:
         with hub.offline() if unreachable else nullcontext(), _datasets_errors(failed):
-            # a folder's tables cached apart per version of its files (see _version_name)
-            cache = Path(datasets.config.HF_DATASETS_CACHE, "tformer", _version_name([name])) if local else None
+            # a folder's tables cached apart per version of its files (see version_name)
+            cache = Path(datasets.config.HF_DATASETS_CACHE, "tformer", version_name([name])) if local else None
             dataset = datasets.load_dataset(name, subset, cache_dir=str(cache) if cache else None, revision=revision)
     except Exception as exc:
         if revision and not unreachable and "revision" in str(_root_cause(exc)).lower():

@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import save_file
 
 from tformer_cli.config import DataConfig
-from tformer_cli.data import data_file_names, file_versions, read_pairs
+from tformer_cli.data import read_pairs
+from tformer_cli.data_paths import data_file_names, file_versions
 from tformer_cli.errors import CheckpointError, first_line
 from tformer_cli.files import error_number, replacing
 from tformer_cli.sequences import Sequences, TextPairs

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from tformer_cli.config import Config, load_config
-from tformer_cli.data import absolute_paths, pin_revision
+from tformer_cli.data import pin_revision
+from tformer_cli.data_paths import absolute_paths
 from tformer_cli.devices import resolve_device
 from tformer_cli.errors import CheckpointError, Interrupted, UsageError
 from tformer_cli.run_folder import CONFIG, MARKER, WEIGHTS, check_not_held, foreign_files, is_marked, start_again
