@@ -266,30 +266,29 @@ def test_generate_translates_the_lines_that_have_arrived_in_one_batch(run_dir, m
 def test_input_lines_come_in_batches_of_what_has_arrived(tmp_path):
     """A pipe's lines are batched up to what it holds, so that a line sent alone is answered before
     the next is written; a file's are batched by size alone."""
-    from tformer_cli.cli_decode import _chunks
-    from tformer_cli.cli_options import InputLines
+    from tformer_cli.generate_input import InputLines, chunks
 
     read, write = os.pipe()
     with open(read, "rb", buffering=0) as stream:
         lines = InputLines(stream)
-        chunks = _chunks(lines, 64, lines.waiting)
+        batches = chunks(lines, 64, lines.waiting)
         os.write(write, "\ufeffseven\r\neight\nni".encode())
         os.write(write, b"ne\n")
-        assert next(chunks) == ["seven", "eight", "nine"]  # the rest of the pipe has yet to come
+        assert next(batches) == ["seven", "eight", "nine"]  # the rest of the pipe has yet to come
         os.write(write, b"ten\n")
-        assert next(chunks) == ["ten"]
+        assert next(batches) == ["ten"]
         os.write(write, b"eleven\ntwelve")  # the last line without its end
         os.close(write)
-        assert list(chunks) == [["eleven", "twelve"]]
+        assert list(batches) == [["eleven", "twelve"]]
     text = tmp_path / "lines.txt"
     text.write_bytes(b"a\nb\nc\n\xff\n")
     with open(text, "rb") as stream:
         lines = InputLines(stream)
-        chunks = _chunks(lines, 2, lines.waiting)
-        assert next(chunks) == ["a", "b"]
-        assert next(chunks) == ["c"]  # the lines before a bad one, then the error naming it
+        batches = chunks(lines, 2, lines.waiting)
+        assert next(batches) == ["a", "b"]
+        assert next(batches) == ["c"]  # the lines before a bad one, then the error naming it
         with pytest.raises(UsageError, match="standard input, line 4: not UTF-8 text"):
-            next(chunks)
+            next(batches)
 
 
 def test_generate_translates_the_lines_before_one_it_cannot_read(trained_run):

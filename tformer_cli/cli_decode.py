@@ -4,16 +4,16 @@ they share beyond those in cli_options.py: ensembles, repetition control, minimu
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from tformer_cli.cli_options import (
-    ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, InputLines, JsonOpt, MaxTokensOpt, PrecisionOpt,
+    ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, JsonOpt, MaxTokensOpt, PrecisionOpt,
     RunArg, check_decoding_flags, check_text, load_for_decoding)
 from tformer_cli.errors import UsageError
+from tformer_cli.generate_input import check_prefix, input_batches
 
 if TYPE_CHECKING:
     from tformer_cli.config import DataConfig
@@ -256,7 +256,7 @@ def generate(
     check_min_len(options.min_len, models.max_len)
     batch_size, max_tokens = batch_size or loaded.config.decode.batch_size, max_tokens or loaded.config.decode.max_tokens
     number = 0
-    for chunk in _input_batches(texts, prefix, json_input, loaded.vocab,
+    for chunk in input_batches(texts, prefix, json_input, loaded.vocab,
                                 sentences_per_batch(options, batch_size, max_tokens)):
         prefixes = [p or "" for _, p in chunk]
         for result, forced in zip(translate([text for text, _ in chunk], options, batch_size,
@@ -298,18 +298,6 @@ def _translator(engine: str, runs: list[Path], device, accel: str, precision: st
 
     loaded, models = load_ensemble(runs[:1], "cpu", "off")  # CTranslate2 converts the plain fp32 model
     return loaded, models, CTranslate2Engine(loaded, device, precision).translate
-
-
-def _input_batches(texts: list[str] | None, prefix: str | None, json_input: bool, vocab: Vocabulary,
-                   size: int) -> Iterator[list[tuple[str, str | None]]]:
-    """generate's (text, prefix) inputs in batches: the texts given, all at once; else standard input's
-    lines (JSON lines with ``json_input``), a batch the lines that have arrived, up to ``size``, so that a
-    line typed or sent alone is answered at once."""
-    if texts:
-        return _chunks([(text, prefix) for text in texts], len(texts))
-    lines = InputLines(sys.stdin.buffer)
-    inputs = json_lines(lines, prefix, vocab) if json_input else ((text, prefix) for text in lines)
-    return _chunks(inputs, size, lines.waiting)
 
 
 def _check_generate_flags(texts: list[str], prefix: str | None, sample: bool, beam_size: int | None, mbr: int,
@@ -361,64 +349,3 @@ def check_min_len(min_len: int, max_len: int) -> None:
     if min_len > max_len - 1:
         raise UsageError(f"--min-len {min_len}: the model's {max_len} positions hold at most {max_len - 1} output "
                          "tokens; lower it")
-
-
-def check_prefix(vocab: Vocabulary, where: str, prefix: str | None) -> None:
-    """A forced prefix must be spelt in the target vocabulary: an unknown token would drop out of the
-    output, which then would not start with the prefix."""
-    unknown = vocab.unknown_target_characters(prefix) if prefix else ""
-    if unknown:
-        raise UsageError(f"{where}: the run's target vocabulary has no token for {unknown!r}, so no output can "
-                         "start with this prefix; leave those characters out")
-
-
-def json_lines(lines, default_prefix: str | None, vocab: Vocabulary):
-    """(text, prefix) from JSON lines {"input": TEXT, "prefix": TEXT}; a line that is not one, or whose
-    prefix the target vocabulary cannot spell, or with a key spelt almost like one of those two, is a
-    one-line error naming it."""
-    import difflib
-    import json
-
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"standard input, line {number}: not JSON ({exc.msg}); --json-input reads lines like "
-                             '{"input": "text", "prefix": "start"}') from None
-        others = record.keys() - {"input", "prefix"} if isinstance(record, dict) else set()
-        for key in others:  # ignored ("id", ...), unless spelt almost like ours: a misspelt prefix would be lost
-            close = difflib.get_close_matches(key, ["input", "prefix"], n=1)
-            if close:
-                raise UsageError(f"standard input, line {number}: unknown key {key!r}; did you mean {close[0]!r}?")
-        if not isinstance(record, dict) or not isinstance(record.get("input"), str) \
-                or not isinstance(record.get("prefix", ""), str):
-            raise UsageError(f'standard input, line {number}: expected {{"input": TEXT}}, optionally with '
-                             '"prefix": TEXT')
-        for key in ("input", "prefix"):  # JSON may escape half a character (\ud800), which no text holds
-            try:
-                record.get(key, "").encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise UsageError(f"standard input, line {number}: {key}: character {exc.start + 1} is half of a "
-                                 f"UTF-16 pair ({record[key][exc.start]!r}), not a character; escape whole "
-                                 "characters") from None
-        check_prefix(vocab, f"standard input, line {number}: prefix", record.get("prefix"))
-        yield record["input"], record.get("prefix", default_prefix)
-
-
-def _chunks(items: Iterable, size: int, waiting: Callable[[], bool] | None = None) -> Iterator[list]:
-    """Lists of up to ``size`` items; a shorter one where ``waiting()`` says the next item has yet to come.
-    An input line that cannot be read ends the lists after the items before it (so that generate's output
-    holds a line for each input line up to the one the error names)."""
-    chunk = []
-    try:
-        for item in items:
-            chunk.append(item)
-            if len(chunk) >= size or (waiting is not None and waiting()):
-                yield chunk
-                chunk = []
-    except UsageError:
-        if chunk:
-            yield chunk
-        raise
-    if chunk:
-        yield chunk

@@ -5,13 +5,9 @@ The checks run before any model or data is loaded and raise one-line ``UsageErro
 
 from __future__ import annotations
 
-import os
-import select
-from collections import deque
-from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Annotated, BinaryIO, Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -136,65 +132,3 @@ def check_text(option: str, text: str | None) -> None:
     except UnicodeEncodeError as exc:
         raise UsageError(f"{option}: not UTF-8 text (character {exc.start + 1}); pass UTF-8, e.g. convert it with "
                          "iconv -t UTF-8") from None
-
-
-class InputLines:
-    """Standard input's lines as UTF-8 text without their line ends, read as they arrive, and whether the
-    next one has yet to arrive (``waiting``). So ``generate`` answers each line at once when a person
-    types it or a program writes one and waits for its translation, and translates a file or a full
-    pipe in batches. A line that is not UTF-8 is a one-line error naming it."""
-
-    def __init__(self, stream: BinaryIO) -> None:
-        self.stream = stream
-        try:
-            self.fd: int | None = stream.fileno()
-        except (AttributeError, OSError, ValueError):  # in memory (a test's input): read as a file is
-            self.fd = None
-        self.ready: deque[bytes] = deque()  # whole lines read and not yet given
-        self.partial: list[bytes] = []  # the start of the next line
-        self.ended = False
-
-    def __iter__(self) -> Iterator[str]:
-        for number, raw in enumerate(self._raw_lines(), 1):
-            try:  # a byte-order mark (a file saved by Notepad, say) is no part of the first line's text
-                yield raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as exc:
-                raise UsageError(f"standard input, line {number}: not UTF-8 text (byte {exc.start + 1}); convert it "
-                                 "first, e.g. iconv -t UTF-8") from None
-
-    def waiting(self) -> bool:
-        """Whether the next line is not here yet: none read ahead, and nothing to read without waiting."""
-        if self.ready or self.ended or self.fd is None:
-            return False
-        try:
-            readable, _, _ = select.select([self.fd], [], [], 0)
-        except (OSError, ValueError):  # a descriptor select cannot watch (a Windows pipe): read in batches
-            return False
-        return not readable
-
-    def _raw_lines(self) -> Iterator[bytes]:
-        if self.fd is None:
-            yield from self.stream
-            return
-        while True:
-            while not self.ready and not self.ended:
-                self._read()
-            if not self.ready:
-                return
-            yield self.ready.popleft()
-
-    def _read(self) -> None:
-        """What the descriptor holds now (at least a byte, or the end), split into whole lines."""
-        data = os.read(self.fd, 1 << 16)
-        if not data:
-            self.ended = True
-            if self.partial:  # a last line without its line end
-                self.ready.append(b"".join(self.partial))
-            return
-        *lines, rest = data.split(b"\n")
-        if lines:
-            self.ready.append(b"".join(self.partial) + lines[0])
-            self.ready.extend(lines[1:])
-            self.partial = []
-        if rest:
-            self.partial.append(rest)
