@@ -368,9 +368,22 @@ def test_a_failed_write_says_what_to_do_about_its_cause(tmp_path, cause, remedy)
 
     if cause == "safetensors":  # safetensors' error carries no errno, only its text
         cause = SafetensorError('Error while serializing: I/O error: Read-only file system (os error 30) at path "x"')
-    error = write_failed(tmp_path / "model.safetensors", cause, "nothing was replaced")
-    assert str(error).startswith(f"could not write {tmp_path / 'model.safetensors'} (")
+    path = tmp_path / "gone" / "model.safetensors"  # a folder removed while the command ran
+    error = write_failed(path, cause, "nothing was replaced")
+    assert str(error).startswith(f"could not write {path} (")
     assert str(error).endswith(f"; nothing was replaced: {remedy}")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux's /proc")
+def test_a_folder_that_takes_no_new_files_is_not_said_to_have_moved(tmp_path):
+    """/proc is there, yet creating a file in it fails as if it were not (ENOENT)."""
+    from tformer_cli.errors import CheckpointError
+    from tformer_cli.files import write_text_atomic
+
+    with pytest.raises(CheckpointError) as failed:
+        write_text_atomic(Path("/proc/hyps.txt"), "text")
+    assert str(failed.value).endswith("nothing was replaced: its folder takes no new files (a system folder); pick "
+                                      "another folder")
 
 
 def test_metrics_are_strict_json_and_a_cut_last_line_is_skipped(tmp_path, trained_run):

@@ -72,6 +72,9 @@ def write_failed(path: Path, exc: BaseException, outcome: str) -> WriteFailed:
     code = error_number(exc)
     if code == errno.EISDIR:
         return WriteFailed(path, first_line(exc), outcome, "that is a folder; name a file", elsewhere=False)
+    if code == errno.ENOENT and Path(path).parent.is_dir():  # there, yet no file can be made in it: /proc, /sys
+        return WriteFailed(path, first_line(exc), outcome, "its folder takes no new files (a system folder); pick "
+                           "another folder", elsewhere=False)
     if code == errno.ENOENT:
         return WriteFailed(path, first_line(exc), outcome, "its folder was moved or deleted while the command ran; "
                            "leave it in place", elsewhere=True)
