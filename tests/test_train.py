@@ -91,6 +91,25 @@ def test_raising_a_cosine_runs_limit_on_resume_warns_that_its_rate_rises_and_say
     assert warnings(["train.max_steps=14", "train.schedule=constant", "train.lr=1e-5"]) == []  # as it advised
 
 
+@pytest.mark.parametrize("train", [{"clip_grad_norm": 1.0, "schedule": "cosine", "max_steps": 10, "warmup_steps": 1},
+                                   {"label_smoothing": 0.1, "rdrop": 0.5, "precision": "bf16"}])
+def test_a_training_step_reads_nothing_back_from_the_device(train):
+    """No op of a step waits for the device's values (``.item()``, ``nonzero``, a boolean mask): on a GPU
+    the host queues step after step while the device works. Its loss stays on the device until logged."""
+    from conftest import HostReads
+
+    model_config = tiny_model_config(dropout=0.1)
+    step = train_step(build_model(model_config, 40).train(), model_config, **train)
+    src, tgt = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 6))
+    tgt[1, 4:] = 0
+    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
+    step(batch)  # the first makes the optimizer's state
+    with HostReads() as reads:
+        step(batch)
+        step(batch)
+    assert reads.seen == []
+
+
 def test_a_tiny_model_overfits_one_batch():
     model = build_model(tiny_model_config(dropout=0.0), 30)
     src = torch.randint(4, 30, (4, 7))
