@@ -10,6 +10,19 @@ from tformer_cli.runtime import step_checkpoints
 from tformer_cli.train import train
 
 
+def test_a_device_that_is_not_here_is_named_where_it_was_asked_for(tmp_path, monkeypatch):
+    """A config's (or a resumed GPU run's) train.device, or the --device flag."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = write_config(tmp_path / "d.yaml", train={"device": "cuda"})
+    with pytest.raises(UsageError, match=r"^train.device cuda: no CUDA device is available; use --device cpu or auto$"):
+        prepare_run(path, None, [], tmp_path / "run")
+    with pytest.raises(UsageError, match=r"^--device cuda: no CUDA device is available"):
+        prepare_run(write_config(tmp_path / "c.yaml"), None, [], tmp_path / "run", device="cuda")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_new_run_never_overwrites_an_old_one(tmp_path):
     path = write_config(tmp_path / "o.yaml", train={"max_steps": 1})
     train(load_config(path), tmp_path / "run")

@@ -16,14 +16,15 @@ from tformer_cli.accel import gemm, ops
 from tformer_cli.errors import UsageError
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """'auto' picks CUDA when available; asking for CUDA without it is a usage error."""
+def resolve_device(name: str = "auto", option: str = "--device") -> torch.device:
+    """'auto' picks CUDA when available; asking for CUDA without it is a usage error naming ``option``,
+    where the name came from (a config's train.device, say)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available; use --device cpu or auto")
+        raise UsageError(f"{option} cuda: no CUDA device is available; use --device cpu or auto")
     if name not in ("cpu", "cuda"):
-        raise UsageError(f"--device {name}: expected auto, cpu or cuda")
+        raise UsageError(f"{option} {name}: expected auto, cpu or cuda")
     return torch.device(name)
 
 

@@ -50,7 +50,7 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
         config = load_config(config_path, overrides)
         run_dir = Path(output_dir or config.train.output_dir or Path("runs") / config.name)
     config.train.device = device or config.train.device  # recorded in the run's config.yaml
-    resolve_device(config.train.device)
+    resolve_device(config.train.device, "--device" if device else "train.device")
     if resume is None and main:
         _clear_for_new_run(run_dir, overwrite)
     config.data = absolute_paths(config.data)  # the run's config.yaml then works from any directory
