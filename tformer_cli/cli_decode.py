@@ -257,7 +257,7 @@ def generate(
     batch_size, max_tokens = batch_size or loaded.config.decode.batch_size, max_tokens or loaded.config.decode.max_tokens
     number = 0
     for chunk in input_batches(texts, prefix, json_input, loaded.vocab,
-                                sentences_per_batch(options, batch_size, max_tokens)):
+                               sentences_per_batch(options, batch_size, max_tokens)):
         prefixes = [p or "" for _, p in chunk]
         for result, forced in zip(translate([text for text, _ in chunk], options, batch_size,
                                             prefixes if any(prefixes) else None, max_tokens), prefixes):
