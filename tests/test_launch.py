@@ -158,6 +158,38 @@ def test_a_mistake_is_one_line_before_any_process_starts(tmp_path, config, monke
     assert not (tmp_path / "run").exists()
 
 
+UNSET = "train in one process, or start several with tformer train --nproc-per-node N (or torchrun)"
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({"WORLD_SIZE": ""}, f"WORLD_SIZE='', where torchrun sets a whole number of at least 1; unset WORLD_SIZE to {UNSET}"),
+    ({"WORLD_SIZE": "0"}, f"WORLD_SIZE='0', where torchrun sets a whole number of at least 1; unset WORLD_SIZE to "
+                          f"{UNSET}"),
+    ({"RANK": "one"}, f"RANK='one', where torchrun sets a whole number of at least 0; unset RANK to {UNSET}"),
+    ({"LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE='x', where torchrun sets a whole number of at least 1; unset "
+                                f"LOCAL_WORLD_SIZE to {UNSET}"),
+    # torch's rendezvous raised its ValueError for what was missing
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but not RANK, MASTER_ADDR or MASTER_PORT, which the processes need to meet; "
+                          f"unset WORLD_SIZE to {UNSET}"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}, "WORLD_SIZE=2 but not MASTER_PORT, which the "
+                                                                     f"processes need to meet; unset WORLD_SIZE to {UNSET}"),
+    # one process that took itself for a helper: it left the run folder to a first process that never came
+    ({"RANK": "1"}, f"RANK=1 with WORLD_SIZE=1: a rank runs from 0 to WORLD_SIZE - 1; unset RANK to {UNSET}"),
+    ({"LOCAL_RANK": "1"}, "LOCAL_RANK=1 with WORLD_SIZE=1: a rank runs from 0 to WORLD_SIZE - 1; unset LOCAL_RANK to "
+                          f"{UNSET}"),
+])
+def test_a_torchrun_environment_set_wrong_is_one_line_before_any_work(tmp_path, config, monkeypatch, environment,
+                                                                       message):
+    """A job script that sets some of torchrun's variables, or sets them wrong."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 1 and result.output == f"error: the environment sets {message}\n"
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("args", [["--nproc-per-node", "2"], ["--nnodes", "2", "--rdzv-endpoint", "node1:29500"]])
 def test_a_process_that_torchrun_started_refuses_to_start_more(tmp_path, config, monkeypatch, args):
     monkeypatch.setenv("LOCAL_RANK", "0")

@@ -21,7 +21,8 @@ from tformer_cli.cli_options import (
     ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, NnodesOpt, NprocOpt, QuietOpt, RdzvOpt, RunArg, SetOpt,
     check_image_name, check_text)
 from tformer_cli.errors import CheckpointError, Interrupted, UsageError
-from tformer_cli.launch import launch_training, launched, launched_rank, quieten_torch, training_group
+from tformer_cli.launch import (
+    check_torchrun_environment, launch_training, launched, launched_rank, quieten_torch, training_group)
 
 
 app = typer.Typer(
@@ -74,6 +75,7 @@ def train(
       tformer train configs/base.yaml --nproc-per-node 4   [dim](4 GPUs)[/]
       tformer train configs/big.yaml --nproc-per-node gpu --nnodes 2 --rdzv-endpoint node1:29500   [dim](on both)[/]
     """
+    check_torchrun_environment()  # a job script's partial torchrun environment: one line, before any work
     if not launched():
         quieten_torch(nnodes)  # before torch loads
         group = training_group(nproc_per_node, nnodes, rdzv_endpoint)

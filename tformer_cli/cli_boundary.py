@@ -77,9 +77,17 @@ class ErrorBoundary(TyperGroup):
             raise exc
         # a wrong command line or config is the same mistake in every process torchrun starts on a
         # machine: the first says it, not all eight
-        if not (isinstance(exc, (ConfigError, UsageError)) and os.environ.get("LOCAL_RANK", "0") != "0"):
+        if not (isinstance(exc, (ConfigError, UsageError)) and _beside_a_first_process()):
             _say(str(exc))
         raise typer.Exit(1) from None
+
+
+def _beside_a_first_process() -> bool:
+    """Whether torchrun started this process beside the machine's first (LOCAL_RANK above 0, among more
+    than one), which says a mistake they share. Variables that are no numbers, or a stray LOCAL_RANK in
+    one process, are a mistake of their own (``launch.check_torchrun_environment``), said."""
+    local_rank, size = os.environ.get("LOCAL_RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    return local_rank.isdigit() and size.isdigit() and 0 < int(local_rank) < int(size)
 
 
 def _os_reason(exc: OSError) -> str:

@@ -155,7 +155,61 @@ def launched() -> bool:
 def launched_rank() -> int:
     """This process's rank as torchrun or ``launch`` set it (0 when launched by neither), without importing
     torch."""
-    return int(os.environ.get("RANK", "0"))
+    return torchrun_variable("RANK")
+
+
+# what torchrun tells the processes it starts, and each value in a process it did not start
+TORCHRUN_VARIABLES = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1}
+
+
+def torchrun_variable(name: str) -> int:
+    """torchrun's variable ``name`` (one of TORCHRUN_VARIABLES) from the environment, or its value in a
+    process that torchrun did not start.
+
+    Raises:
+        UsageError: it is set to anything but a whole number (at least 1 for the sizes).
+    """
+    text = os.environ.get(name)
+    least = TORCHRUN_VARIABLES[name]  # a size counts at least this process, a rank starts at 0
+    if text is None:
+        return least
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise UsageError(f"the environment sets {name}={text!r}, where torchrun sets a whole number of at least "
+                         f"{least}; {_unset(name)}")
+    return value
+
+
+def check_torchrun_environment() -> None:
+    """The variables that torchrun sets, as a process it started reads them, before anything is read or
+    written: whole numbers, a rank below the size, and beside a size above 1 the rest of what the
+    processes need to meet (RANK, MASTER_ADDR, MASTER_PORT). A shell or a job script that sets only some
+    of them would otherwise fail in torch's rendezvous, or train a process that takes itself for
+    another's helper and leaves the run folder to it.
+
+    Raises:
+        UsageError: naming the variable and what to do.
+    """
+    size = torchrun_variable("WORLD_SIZE")
+    torchrun_variable("LOCAL_WORLD_SIZE")  # a whole number too
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if size > 1 and missing:
+        names = ", ".join(missing[:-1]) + " or " * (len(missing) > 1) + missing[-1]
+        raise UsageError(f"the environment sets WORLD_SIZE={size} but not {names}, which the processes need to "
+                         f"meet; {_unset('WORLD_SIZE')}")
+    for name in ("RANK", "LOCAL_RANK"):  # ranks of this process among all of them
+        if (rank := torchrun_variable(name)) >= size:
+            raise UsageError(f"the environment sets {name}={rank} with WORLD_SIZE={size}: a rank runs from 0 to "
+                             f"WORLD_SIZE - 1; {_unset(name)}")
+
+
+def _unset(name: str) -> str:
+    """What to do about a torchrun variable set wrong in the environment."""
+    return (f"unset {name} to train in one process, or start several with tformer train --nproc-per-node N "
+            "(or torchrun)")
 
 
 def launch(group: Group, argv: list[str], run_dir: Path) -> int:

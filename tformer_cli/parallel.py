@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_map_only
 
 from tformer_cli.errors import TformerError, UsageError
+from tformer_cli.launch import torchrun_variable
 
 # How long a process waits in a collective for the others: long enough for rank 0 to validate with BLEU
 # while the others wait for its figures (FSDP), short enough that a process stuck without a peer ends.
@@ -200,16 +201,16 @@ def join(device: torch.device, engine: str = "ddp") -> Workers:
     """Join the process group ``torchrun`` describes in the environment (WORLD_SIZE > 1): NCCL for the
     gradients on CUDA, one GPU per process (LOCAL_RANK), and gloo for the CPU's small messages (and for
     everything when a node runs more processes than it has GPUs: DDP only)."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
+    size = torchrun_variable("WORLD_SIZE")
     if size == 1:
         return Workers()
     if not dist.is_initialized():
         if device.type == "cuda":
-            gpus, local = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0"))
+            gpus, local = torch.cuda.device_count(), torchrun_variable("LOCAL_RANK")
             gpu = torch.device("cuda", local % gpus)
             torch.cuda.set_device(gpu)
             # NCCL wants a GPU of its own per process; more processes than GPUs share them over gloo
-            processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            processes = torchrun_variable("LOCAL_WORLD_SIZE")
             shared = processes > gpus
             # FSDP there: sharding saves nothing, and FSDP2 over gloo crashed on CUDA (pytorch/pytorch#132471)
             if shared and engine == "fsdp":
@@ -219,7 +220,7 @@ def join(device: torch.device, engine: str = "ddp") -> Workers:
             dist.init_process_group(backend, device_id=None if shared else gpu, timeout=COLLECTIVE_TIMEOUT)
         else:
             dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    return Workers(dist.get_rank(), size, int(os.environ.get("LOCAL_RANK", "0")), grouped=True)
+    return Workers(dist.get_rank(), size, torchrun_variable("LOCAL_RANK"), grouped=True)
 
 
 def leave() -> None:

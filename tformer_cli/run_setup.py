@@ -3,7 +3,6 @@ set up for a new or a resumed run (``Setup``). ``train.py`` runs the loop over t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -21,6 +20,7 @@ from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, ConfigError, DataError, first_line, out_of_memory
 from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, compiles, label_smoothed_loss
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_failed, write_text_atomic
+from tformer_cli.launch import torchrun_variable
 from tformer_cli.model import build_model
 from tformer_cli.optim import make_optimizer
 from tformer_cli.params import TRAINING_BYTES_PER_PARAMETER, total_params
@@ -154,7 +154,7 @@ class Setup:
             return
         parameters = total_params(self.config.model, self.vocab.src_size, self.vocab.tgt_size)
         needed = TRAINING_BYTES_PER_PARAMETER * parameters // (self.workers.size if self.sharded else 1)
-        share = memory // (int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if self.device.type == "cpu" else 1)
+        share = memory // (torchrun_variable("LOCAL_WORLD_SIZE") if self.device.type == "cpu" else 1)
         if needed > share:
             raise _too_big(self.config, self.vocab, self.device, f"training its {parameters:,} parameters needs "
                            f"at least {human_bytes(needed)} for weights, gradients and Adam's moments, and this "
