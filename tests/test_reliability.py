@@ -368,7 +368,7 @@ def test_a_failed_write_says_what_to_do_about_its_cause(tmp_path, cause, remedy)
 
     if cause == "safetensors":  # safetensors' error carries no errno, only its text
         cause = SafetensorError('Error while serializing: I/O error: Read-only file system (os error 30) at path "x"')
-    path = tmp_path / "gone" / "model.safetensors"  # a folder removed while the command ran
+    path = tmp_path / "model.safetensors"
     error = write_failed(path, cause, "nothing was replaced")
     assert str(error).startswith(f"could not write {path} (")
     assert str(error).endswith(f"; nothing was replaced: {remedy}")

@@ -72,7 +72,7 @@ def write_failed(path: Path, exc: BaseException, outcome: str) -> WriteFailed:
     code = error_number(exc)
     if code == errno.EISDIR:
         return WriteFailed(path, first_line(exc), outcome, "that is a folder; name a file", elsewhere=False)
-    if code == errno.ENOENT and Path(path).parent.is_dir():  # there, yet no file can be made in it: /proc, /sys
+    if code == errno.ENOENT and _takes_no_files(Path(path).parent):
         return WriteFailed(path, first_line(exc), outcome, "its folder takes no new files (a system folder); pick "
                            "another folder", elsewhere=False)
     if code == errno.ENOENT:
@@ -80,6 +80,16 @@ def write_failed(path: Path, exc: BaseException, outcome: str) -> WriteFailed:
                            "leave it in place", elsewhere=True)
     fix = "make the folder writable" if code in (errno.EACCES, errno.EPERM, errno.EROFS) else "free space on the disk"
     return WriteFailed(path, first_line(exc), outcome, fix, elsewhere=True)
+
+
+def _takes_no_files(folder: Path) -> bool:
+    """A folder on a file system with no storage of its own (/proc, /sys), where making a file fails as
+    if the folder were not there (ENOENT). Elsewhere ENOENT means that the folder, or the temporary
+    being written in it, went away while the command ran."""
+    try:
+        return os.statvfs(folder).f_blocks == 0
+    except (OSError, AttributeError):  # gone; or no statvfs (Windows)
+        return False
 
 
 def error_number(exc: BaseException) -> int | None:
