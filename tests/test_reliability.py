@@ -375,7 +375,7 @@ def test_a_failed_write_says_what_to_do_about_its_cause(tmp_path, cause, remedy)
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux's /proc")
-def test_a_folder_that_takes_no_new_files_is_not_said_to_have_moved(tmp_path):
+def test_a_folder_that_takes_no_new_files_is_not_said_to_have_moved(tmp_path, trained_run):
     """/proc is there, yet creating a file in it fails as if it were not (ENOENT)."""
     from tformer_cli.errors import CheckpointError
     from tformer_cli.files import write_text_atomic
@@ -384,6 +384,12 @@ def test_a_folder_that_takes_no_new_files_is_not_said_to_have_moved(tmp_path):
         write_text_atomic(Path("/proc/hyps.txt"), "text")
     assert str(failed.value).endswith("nothing was replaced: its folder takes no new files (a system folder); pick "
                                       "another folder")
+    # a folder to make there, for an average or for eval's --output: the OS's error, said the same way
+    for command in (["average", str(trained_run), "--last", "1", "--output", "/proc/tformer/average"],
+                    ["eval", str(trained_run), "--max-samples", "1", "--output", "/proc/tformer/hyps.txt"]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 1 and result.output == ("error: /proc/tformer: its folder takes no new files (a "
+                                                           "system folder); pick another path\n"), result.output
 
 
 def test_metrics_are_strict_json_and_a_cut_last_line_is_skipped(tmp_path, trained_run):
