@@ -419,7 +419,8 @@ def test_eval_output_to_a_descriptor_that_is_not_open_fails_before_decoding(run_
     closed = next(fd for fd in range(900, 1000) if not os.path.exists(f"/dev/fd/{fd}"))
     monkeypatch.setattr(decoding, "translate", lambda *args, **kwargs: pytest.fail("decoded"))
     result = runner.invoke(app, ["eval", str(run_dir), "--max-samples", "2", "--output", f"/dev/fd/{closed}"])
-    assert result.exit_code == 1 and result.output.strip() == f"error: /dev/fd/{closed}: No such file or directory"
+    assert result.exit_code == 1 and result.output.strip() == (f"error: /dev/fd/{closed}: no such open descriptor (the "
+                                                               "shell opens one for >(...) or N>); pick another path")
 
 
 def test_eval_output_never_replaces_a_runs_files_or_the_data_it_reads(run_dir, tmp_path):

@@ -95,18 +95,21 @@ def _os_reason(exc: OSError) -> str:
     folder that a command makes (``--output x/y`` where ``x`` is a file) is "File exists" to the OS."""
     if isinstance(exc, (FileExistsError, NotADirectoryError)) and os.path.isfile(exc.filename):
         return "a file, where a folder is needed; move it or pick another path"
-    if isinstance(exc, FileNotFoundError) and _in_a_system_folder(exc.filename):  # a folder made in /proc, say
+    path = os.path.abspath(str(exc.filename))
+    if isinstance(exc, FileNotFoundError) and path.startswith(("/dev/fd/", "/proc/self/fd/")):
+        return "no such open descriptor (the shell opens one for >(...) or N>); pick another path"
+    if isinstance(exc, FileNotFoundError) and _in_a_system_folder(path):  # a folder made in /proc, say
         return "its folder takes no new files (a system folder); pick another path"
     return exc.strerror
 
 
 def _in_a_system_folder(path: str) -> bool:
-    """Whether the deepest folder of ``path`` that exists is on a file system without storage."""
+    """Whether the deepest folder of ``path`` (absolute) that exists is on a file system without storage."""
     from pathlib import Path
 
     from tformer_cli.files import takes_no_files
 
-    folder = Path(os.path.abspath(path)).parent
+    folder = Path(path).parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     return takes_no_files(folder)
