@@ -86,33 +86,27 @@ def _beside_a_first_process() -> bool:
     """Whether torchrun started this process beside the machine's first (LOCAL_RANK above 0, among more
     than one), which says a mistake they share. Variables that are no numbers, or a stray LOCAL_RANK in
     one process, are a mistake of their own (``launch.check_torchrun_environment``), said."""
-    local_rank, size = os.environ.get("LOCAL_RANK", "0"), os.environ.get("WORLD_SIZE", "1")
-    return local_rank.isdigit() and size.isdigit() and 0 < int(local_rank) < int(size)
+    from tformer_cli.launch import torchrun_variable
+
+    try:
+        return 0 < torchrun_variable("LOCAL_RANK") < torchrun_variable("WORLD_SIZE")
+    except UsageError:
+        return False
 
 
 def _os_reason(exc: OSError) -> str:
     """What the OS refused, in words that say what to do where its own do not: a file in the way of a
     folder that a command makes (``--output x/y`` where ``x`` is a file) is "File exists" to the OS."""
+    from tformer_cli.files import in_a_system_folder
+
     if isinstance(exc, (FileExistsError, NotADirectoryError)) and os.path.isfile(exc.filename):
         return "a file, where a folder is needed; move it or pick another path"
     path = os.path.abspath(str(exc.filename))
     if isinstance(exc, FileNotFoundError) and path.startswith(("/dev/fd/", "/proc/self/fd/")):
         return "no such open descriptor (the shell opens one for >(...) or N>); pick another path"
-    if isinstance(exc, FileNotFoundError) and _in_a_system_folder(path):  # a folder made in /proc, say
+    if isinstance(exc, FileNotFoundError) and in_a_system_folder(path):  # a folder made in /proc, say
         return "its folder takes no new files (a system folder); pick another path"
     return exc.strerror
-
-
-def _in_a_system_folder(path: str) -> bool:
-    """Whether the deepest folder of ``path`` (absolute) that exists is on a file system without storage."""
-    from pathlib import Path
-
-    from tformer_cli.files import takes_no_files
-
-    folder = Path(path).parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return takes_no_files(folder)
 
 
 def _say(message: str) -> None:

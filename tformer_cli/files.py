@@ -72,7 +72,7 @@ def write_failed(path: Path, exc: BaseException, outcome: str) -> WriteFailed:
     code = error_number(exc)
     if code == errno.EISDIR:
         return WriteFailed(path, first_line(exc), outcome, "that is a folder; name a file", elsewhere=False)
-    if code == errno.ENOENT and takes_no_files(Path(path).parent):
+    if code == errno.ENOENT and in_a_system_folder(path):
         return WriteFailed(path, first_line(exc), outcome, "its folder takes no new files (a system folder); pick "
                            "another folder", elsewhere=False)
     if code == errno.ENOENT:
@@ -82,13 +82,17 @@ def write_failed(path: Path, exc: BaseException, outcome: str) -> WriteFailed:
     return WriteFailed(path, first_line(exc), outcome, fix, elsewhere=True)
 
 
-def takes_no_files(folder: Path) -> bool:
-    """A folder on a file system with no storage of its own (/proc, /sys), where making a file fails as
-    if the folder were not there (ENOENT). Elsewhere ENOENT means that the folder, or the temporary
-    being written in it, went away while the command ran."""
+def in_a_system_folder(path: Path | str) -> bool:
+    """Whether the nearest folder of ``path`` that exists is on a file system with no storage of its own
+    (/proc, /sys), where making a file or a folder fails as if its folder were not there (ENOENT).
+    Elsewhere ENOENT means that the folder, or the temporary being written in it, went away while the
+    command ran."""
+    folder = Path(os.path.abspath(path)).parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
     try:
         return os.statvfs(folder).f_blocks == 0
-    except (OSError, AttributeError):  # gone; or no statvfs (Windows)
+    except (OSError, AttributeError):  # gone meanwhile; or no statvfs (Windows)
         return False
 
 
