@@ -62,6 +62,15 @@ def tiny_model_config(**overrides):
     return ModelConfig(**values)
 
 
+def tiny_batch(vocab: int = 40):
+    """Three random pairs of 6 tokens, the second target padded after 4: a training ``Batch``."""
+    from tformer_cli.batching import Batch
+
+    src, tgt = torch.randint(4, vocab, (3, 6)), torch.randint(4, vocab, (3, 6))
+    tgt[1, 4:] = 0
+    return Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
+
+
 def train_step(model, model_config, device="cpu", **train):
     """``tformer train``'s own optimizer step (``train._step``) for ``model``, set up as training sets it
     up (the objective module, ``make_optimizer``, the gradient scaler, one process) but without data or

@@ -4,8 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import HostReads, tiny_model_config
-from tformer_cli.batching import Batch
+from conftest import HostReads, tiny_batch, tiny_model_config
 from tformer_cli.encoding import EncodedSplit
 from tformer_cli.evaluation import corpus_scores, evaluate_loss, label_smoothed_loss
 from tformer_cli.model import build_model
@@ -31,15 +30,12 @@ def test_lowercased_bleu_ignores_case():
 
 def test_label_smoothed_loss_equals_torch_cross_entropy():
     model = build_model(tiny_model_config(), 40).eval()
-    src = torch.randint(4, 40, (3, 6))
-    tgt = torch.randint(4, 40, (3, 6))
-    tgt[1, 4:] = 0
-    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
+    batch = tiny_batch()
     loss, nll = label_smoothed_loss(model, batch, 0.1)
-    logits = model(src, tgt[:, :-1])
-    expected = F.cross_entropy(logits.transpose(1, 2), tgt[:, 1:], ignore_index=0, label_smoothing=0.1,
+    logits = model(batch.src, batch.tgt_in)
+    expected = F.cross_entropy(logits.transpose(1, 2), batch.tgt_out, ignore_index=0, label_smoothing=0.1,
                                reduction="sum")
-    expected_nll = F.cross_entropy(logits.transpose(1, 2), tgt[:, 1:], ignore_index=0, reduction="sum")
+    expected_nll = F.cross_entropy(logits.transpose(1, 2), batch.tgt_out, ignore_index=0, reduction="sum")
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(nll, expected_nll, rtol=1e-5, atol=1e-4)
 
@@ -49,9 +45,7 @@ def test_the_training_loss_reads_nothing_back_from_the_device(rdrop):
     """Forward and backward select the real target tokens by positions found on the host: no op that
     waits for a GPU (boolean-mask indexing did, three times a step)."""
     model = build_model(tiny_model_config(dropout=0.1), 40).train()
-    src, tgt = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 6))
-    tgt[1, 4:] = 0
-    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
+    batch = tiny_batch()
     with HostReads() as reads:
         loss, _ = label_smoothed_loss(model, batch, 0.1, rdrop)
         loss.backward()
@@ -63,22 +57,20 @@ def test_the_training_loss_reads_nothing_back_from_the_device(rdrop):
 
 def test_rdrop_loss_runs_the_batch_twice_under_different_dropout_masks():
     model = build_model(tiny_model_config(dropout=0.3), 40).train()
-    src, tgt = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 6))
-    tgt[1, 4:] = 0
-    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
+    batch = tiny_batch()
     torch.manual_seed(1)
     loss, nll = label_smoothed_loss(model, batch, 0.1, rdrop=2.0)
     torch.manual_seed(1)  # the same masks: one forward over the batch stacked on itself
-    logits = model(torch.cat([src, src]), torch.cat([tgt[:, :-1], tgt[:, :-1]]))
-    real = tgt[:, 1:] != 0
+    logits = model(torch.cat([batch.src, batch.src]), torch.cat([batch.tgt_in, batch.tgt_in]))
+    real = batch.tgt_out != 0
     first, second = logits[:3][real], logits[3:][real]
     assert not torch.allclose(first, second)  # the passes differ only by their dropout masks
     log_p, log_q = F.log_softmax(first, dim=-1), F.log_softmax(second, dim=-1)
     kl = (F.kl_div(log_p, log_q, log_target=True, reduction="sum")
           + F.kl_div(log_q, log_p, log_target=True, reduction="sum")) / 2
-    ce = sum(F.cross_entropy(x, tgt[:, 1:][real], label_smoothing=0.1, reduction="sum") for x in (first, second))
+    ce = sum(F.cross_entropy(x, batch.tgt_out[real], label_smoothing=0.1, reduction="sum") for x in (first, second))
     torch.testing.assert_close(loss, ce / 2 + 2.0 * kl, rtol=1e-5, atol=1e-4)
-    nll_mean = sum(F.cross_entropy(x, tgt[:, 1:][real], reduction="sum") for x in (first, second)) / 2
+    nll_mean = sum(F.cross_entropy(x, batch.tgt_out[real], reduction="sum") for x in (first, second)) / 2
     torch.testing.assert_close(nll, nll_mean, rtol=1e-5, atol=1e-4)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model_config, train_step, write_config
+from conftest import HostReads, tiny_batch, tiny_model_config, train_step, write_config
 from tformer_cli.batching import Batch, token_batches
 from tformer_cli.config import load_config
 from tformer_cli.errors import CheckpointError, UsageError
@@ -96,13 +96,9 @@ def test_raising_a_cosine_runs_limit_on_resume_warns_that_its_rate_rises_and_say
 def test_a_training_step_reads_nothing_back_from_the_device(train):
     """No op of a step waits for the device's values (``.item()``, ``nonzero``, a boolean mask): on a GPU
     the host queues step after step while the device works. Its loss stays on the device until logged."""
-    from conftest import HostReads
-
     model_config = tiny_model_config(dropout=0.1)
     step = train_step(build_model(model_config, 40).train(), model_config, **train)
-    src, tgt = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 6))
-    tgt[1, 4:] = 0
-    batch = Batch(src, tgt[:, :-1], tgt[:, 1:], [0, 1, 2])
+    batch = tiny_batch()
     step(batch)  # the first makes the optimizer's state
     with HostReads() as reads:
         step(batch)
