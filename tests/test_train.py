@@ -18,7 +18,8 @@ from tformer_cli.optim import learning_rate
 from tformer_cli.parallel import Workers
 from tformer_cli.runtime import load_run, step_checkpoints
 from tformer_cli.runs import prepare_run
-from tformer_cli.train import _no_step, train
+from tformer_cli.train import train
+from tformer_cli.train_plan import no_step
 
 
 def test_a_training_step_is_the_loss_backward_clipping_the_schedule_and_adam():
@@ -280,7 +281,6 @@ def test_validating_together_each_process_takes_a_share_and_all_get_one_process_
     """Under DDP every process validates every N-th batch and translates every N-th sentence; the
     NLL sums and the translations are combined into the figures one process computes alone."""
     import tformer_cli.evaluation as evaluation
-    import tformer_cli.train as training
     from tformer_cli.run_setup import Setup
 
     scored = []
@@ -288,7 +288,7 @@ def test_validating_together_each_process_takes_a_share_and_all_get_one_process_
     monkeypatch.setattr(evaluation, "validation_scores", lambda hyps, refs: scored.append(hyps) or score(hyps, refs))
     config = load_config(write_config(tmp_path / "v.yaml", train={"eval_max_sentences": 15}))
     setup = Setup(config, tmp_path / "run", False, torch.device("cpu"), lambda *args: None, Workers())
-    alone = training._validate(setup, setup.model, 0)
+    alone = setup.validate(setup.model, 0)
 
     class Share:
         """Rank ``rank`` of two; its collectives answered with what the other rank sent (``other``)."""
@@ -306,9 +306,9 @@ def test_validating_together_each_process_takes_a_share_and_all_get_one_process_
 
     second = Share(1)
     setup.workers = second
-    training._validate(setup, setup.model, 0, together=True)  # its figures need the first's share
+    setup.validate(setup.model, 0, together=True)  # its figures need the first's share
     setup.workers = first = Share(0, second.sent)
-    together = training._validate(setup, setup.model, 0, together=True)
+    together = setup.validate(setup.model, 0, together=True)
     assert [len(share.sent["gather"]) for share in (first, second)] == [8, 7]  # sentences 0, 2, ... and 1, 3, ...
     assert 0 < second.sent["sum"][1] < first.sent["sum"][1] + second.sent["sum"][1]  # tokens: a share each
     assert together["loss"] == pytest.approx(alone["loss"], rel=1e-9)
@@ -326,7 +326,7 @@ def test_a_split_too_small_for_a_batch_a_process_is_one_line(tmp_path):
                        r"lower train.step_tokens or raise train.max_tokens$"):  # fewer batches a step
         train(load_config(path), tmp_path / "run")
     # a batch a process already: the step needs more sentences, or fewer processes to share them
-    assert _no_step(replace(load_config(path).train, step_tokens=48), 3, 4, 1).endswith(
+    assert no_step(replace(load_config(path).train, step_tokens=48), 3, 4, 1).endswith(
         "batches (1 a process on 4 processes, to stay within train.max_tokens 48); raise train.step_tokens, or train "
         "with fewer processes")
 
@@ -464,10 +464,10 @@ def test_bf16_autocast_trains_on_cpu_and_warns_where_it_would_be_slow(tmp_path, 
 def test_validation_computes_in_the_precision_training_computes_in(tmp_path, monkeypatch):
     """A run that trains under bf16 autocast validates under it too (as fairseq validates an fp16 run):
     the logged validation loss is evaluate_loss's under bf16 autocast, not its fp32 figure."""
-    import tformer_cli.train as training
+    import tformer_cli.run_setup as run_setup
     from tformer_cli.evaluation import evaluate_loss
 
-    references, record = {}, training.validation_record
+    references, record = {}, run_setup.validation_record
 
     def validation_record(model, vocab, split, train_cfg, *args, **kwargs):
         for name, enabled in (("bf16", True), ("fp32", False)):
@@ -475,7 +475,7 @@ def test_validation_computes_in_the_precision_training_computes_in(tmp_path, mon
                 references[name] = evaluate_loss(model, split, train_cfg.max_tokens).loss
         return record(model, vocab, split, train_cfg, *args, **kwargs)
 
-    monkeypatch.setattr(training, "validation_record", validation_record)
+    monkeypatch.setattr(run_setup, "validation_record", validation_record)
     path = write_config(tmp_path / "b.yaml", train={"max_steps": 2, "eval_every": 2, "precision": "bf16"})
     logged = train(load_config(path), tmp_path / "run").last_eval["loss"]
     assert logged == pytest.approx(references["bf16"], rel=1e-6)
@@ -702,10 +702,10 @@ def test_a_run_on_data_not_yet_cached_reads_and_tokenises_it_in_a_child_process(
 def test_a_run_that_validates_by_decoding_builds_decodings_kernels_before_training(tmp_path, monkeypatch):
     """Validation's decoding kernels are compiled before the first step (linear.build_decoding_kernels),
     for the most hypotheses its greedy batches hold: the validation sentences, up to the batch size."""
-    from tformer_cli import train as train_module
+    from tformer_cli import kernel_warmup
 
     calls = []
-    monkeypatch.setattr(train_module, "build_decoding_kernels",
+    monkeypatch.setattr(kernel_warmup, "build_decoding_kernels",
                         lambda model, rows: calls.append((type(model).__name__, rows)))
     for name, train_cfg, decode in (("bleu", {}, {}), ("batch", {}, {"batch_size": 8}),
                                     ("loss only", {"eval_bleu": False, "best_metric": "loss"}, {})):
@@ -718,21 +718,21 @@ def test_with_products_on_onednn_a_run_compiles_no_kernel_after_its_build(tmp_pa
     """The build's passes cover the epoch's steps and validation (its loss and its decoding), and
     decoding's row counts are built too: nothing is left to compile among the steps' buffers. Read
     from oneDNN's verbose log, after a mark that the build writes when it ends."""
-    from tformer_cli import train as train_module
+    from tformer_cli import kernel_warmup
     from tformer_cli.accel import gemm, linear
 
     if gemm.LINEAR_POINTWISE is None or not linear.PACKING:
         pytest.skip("torch built without oneDNN")
     monkeypatch.setattr(gemm, "pays_here", lambda: True)
     monkeypatch.setattr(gemm, "MIN_PRODUCT", 0)
-    build = train_module.build_kernels
+    build = kernel_warmup.build_kernels
 
     def build_then_mark(passes):
         built = build(passes)
         os.write(1, b"BUILT\n")  # where the log of what training compiles after its build starts
         return built
 
-    monkeypatch.setattr(train_module, "build_kernels", build_then_mark)
+    monkeypatch.setattr(kernel_warmup, "build_kernels", build_then_mark)
     # d_model 24: shapes of this test's own, so that no kernel an earlier test compiled can stand in
     path = write_config(tmp_path / "v.yaml", model={"d_model": 24, "d_ff": 40},
                         train={"max_steps": 4, "eval_every": 2})
@@ -751,7 +751,7 @@ def test_with_products_on_onednn_a_run_compiles_no_kernel_after_its_build(tmp_pa
 def test_building_the_kernels_before_training_changes_no_step(tmp_path, monkeypatch):
     """With products on oneDNN, training first compiles their kernels with a pass per batch shape
     (gemm.build_kernels): the run takes the steps a run without those passes takes."""
-    from tformer_cli import train as train_module
+    from tformer_cli import kernel_warmup
     from tformer_cli.accel import gemm
 
     if gemm.LINEAR_POINTWISE is None:
@@ -760,9 +760,9 @@ def test_building_the_kernels_before_training_changes_no_step(tmp_path, monkeypa
     monkeypatch.setattr(gemm, "MIN_PRODUCT", 0)
     path = write_config(tmp_path / "k.yaml", train={"max_steps": 4, "log_every": 1, "eval_every": 1000})
     built, losses = [], {}
-    build = train_module.build_kernels
+    build = kernel_warmup.build_kernels
     for first in (True, False):
-        monkeypatch.setattr(train_module, "build_kernels", lambda passes: built.append(build(passes)) if first else 0)
+        monkeypatch.setattr(kernel_warmup, "build_kernels", lambda passes: built.append(build(passes)) if first else 0)
         events = []
         train(load_config(path), tmp_path / str(first), callback=lambda event, data: events.append((event, data)))
         losses[first] = [data["loss"] for event, data in events if event == "step"]

@@ -11,9 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from tformer_cli.batching import Batch
+from tformer_cli.batching import Batch, collate
+from tformer_cli.encoding import EncodedSplit
 from tformer_cli.model.transformer import Rows
 from tformer_cli.tokenizer import PAD_ID
+
+
+def training_batch(data: EncodedSplit, ids: list[int], pack_length: int | None) -> Batch:
+    """The training batch of ``data``'s pairs ``ids``: padded, or with a ``pack_length``
+    (``train.pack_length``) its pairs packed into rows."""
+    batch = collate(data, ids)
+    return batch if pack_length is None else pack(batch, pack_length)
 
 
 def pack(batch: Batch, length: int) -> Batch:

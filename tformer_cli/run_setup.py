@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from tformer_cli.accel import accelerate
-from tformer_cli.config import Config, DataConfig
-from tformer_cli.devices import memory_bytes, resolve_precision
+from tformer_cli.config import Config, DataConfig, DecodeConfig
+from tformer_cli.devices import autocast, memory_bytes, resolve_precision
 from tformer_cli.encoding import (
     EncodedSplit, cached_vocabulary, encodings_cached, load_encoded, train_or_load_vocabulary)
 from tformer_cli.ema import WeightEMA
 from tformer_cli.errors import CheckpointError, ConfigError, DataError, first_line, out_of_memory
-from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, compiles, label_smoothed_loss
+from tformer_cli.evaluation import Seq2SeqLoss, compiled_loss, compiles, label_smoothed_loss, validation_record
 from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_failed, write_text_atomic
 from tformer_cli.launch import torchrun_variable
 from tformer_cli.model import build_model
@@ -183,6 +183,15 @@ class Setup:
     def validates_here(self) -> bool:
         """Whether this process validates (all of the split, or its share): it then loads the split."""
         return self.validates and (self.workers.main or self.validates_together)
+
+    def validate(self, model: torch.nn.Module, step: int, decode: DecodeConfig | None = None,
+                 together: bool = False) -> dict[str, Any]:
+        """``evaluation.validation_record`` of ``model``, in the precision training computes in (bf16
+        autocast on a GPU that trains in bf16, as fairseq validates); ``together``: every process
+        computes its share."""
+        with autocast(self.device, self.precision):
+            return validation_record(model, self.vocab, self.valid_data, self.config.train,
+                                     decode or self.config.decode, step, self.device, self.workers if together else None)
 
     def whole_model(self, step: int | None = None) -> torch.nn.Module | None:
         """The model with its whole weights on rank 0 (None on the others). Under FSDP a collective
