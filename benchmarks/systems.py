@@ -127,7 +127,8 @@ def paper_sources(size: Size, sentences: int, max_tokens: int, beams: int, devic
     ``max_tokens`` hypothesis tokens, sentences x ``beams`` x longest source), each batch with the
     tokens to decode for it: its longest source's length (a translation is about as long as its
     source; no system stops early)."""
-    from tformer_cli.decoding import DecodeOptions, decoding_batches
+    from tformer_cli.batching import decoding_batches
+    from tformer_cli.decoding import DecodeOptions
 
     generator = torch.Generator().manual_seed(seed)
     lengths = sorted(paper_lengths(sentences, generator)[0])

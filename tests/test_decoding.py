@@ -216,6 +216,7 @@ def test_translate_keeps_input_order_and_handles_empty_and_long_inputs(model):
                                                  (DecodeOptions(sample=True, nbest=3), 85)])
 def test_by_default_a_batch_holds_256_hypotheses(model, monkeypatch, options, sentences):
     import tformer_cli.decoding as decoding
+    from tformer_cli.batching import sentences_per_batch
 
     batches = []
     monkeypatch.setattr(decoding, "decode_batch", lambda model, src, options, prefix: batches.append(src.shape[0])
@@ -223,14 +224,14 @@ def test_by_default_a_batch_holds_256_hypotheses(model, monkeypatch, options, se
     vocab = Vocabulary.train([("a b c", "a b c")], vocab_size=VOCAB, min_frequency=1)
     translate(model, vocab, ["a b"] * 300, options)
     assert batches[0] == sentences and sum(batches) == 300
-    assert decoding.sentences_per_batch(options) == sentences
+    assert sentences_per_batch(options) == sentences
 
 
 @pytest.mark.parametrize("options", [DecodeOptions(), DecodeOptions(beam_size=4),
                                      DecodeOptions(sample=True, nbest=3)])
 @pytest.mark.parametrize("batch_size, max_tokens", [(None, 200), (5, 200), (None, 7), (3, None), (None, None)])
 def test_decoding_batches_are_the_longest_runs_within_both_limits(options, batch_size, max_tokens):
-    from tformer_cli.decoding import decoding_batches, hypotheses_per_sentence
+    from tformer_cli.batching import decoding_batches, hypotheses_per_sentence
 
     lengths = sorted(torch.randint(2, 40, (300,), generator=torch.Generator().manual_seed(0)).tolist())
     batches = decoding_batches(lengths, options, batch_size, max_tokens)

@@ -1,4 +1,5 @@
-"""Batches by tokens: examples of similar length grouped under a padded-token budget, then padded."""
+"""Batches by tokens: training examples of similar length grouped under a padded-token budget, then
+padded; and the batches that decoding cuts from sources sorted by length."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tformer_cli.encoding import EncodedSplit
 from tformer_cli.tokenizer import PAD_ID
 
 if TYPE_CHECKING:
+    from tformer_cli.decoding import DecodeOptions
     from tformer_cli.model.transformer import Rows
 
 
@@ -142,3 +144,44 @@ def pad_sequences(sequences: list[list[int]]) -> torch.Tensor:
     for row, seq in enumerate(sequences):
         out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
     return out
+
+
+# Hypotheses (sentences x beams, or x samples) decoded together by default. More rows per step make its
+# matrix products cheaper per row, until beam search's rows outgrow the packed products (linear.MAX_ROWS)
+# and the kernels oneDNN builds per row count (benchmarks/README.md, "Small measurements").
+HYPOTHESES_PER_BATCH = 256
+
+
+def hypotheses_per_sentence(options: DecodeOptions) -> int:
+    """Rows a sentence takes in a decoding step: its beams, its samples, or its MBR candidates."""
+    if options.mbr:
+        options = options.candidates()
+    return options.nbest if options.sample else options.beam_size
+
+
+def sentences_per_batch(options: DecodeOptions, batch_size: int | None = None, max_tokens: int | None = None) -> int:
+    """The most sentences one batch holds: ``batch_size`` where one is set (decode.batch_size,
+    --batch-size); else, with ``max_tokens``, as many as fit it at the shortest source (two tokens);
+    else HYPOTHESES_PER_BATCH rows a step."""
+    if batch_size:
+        return batch_size
+    return max(1, (max_tokens // 2 if max_tokens else HYPOTHESES_PER_BATCH) // hypotheses_per_sentence(options))
+
+
+def decoding_batches(lengths: list[int], options: DecodeOptions, batch_size: int | None = None,
+                     max_tokens: int | None = None) -> list[range]:
+    """Cut sources sorted by length (``lengths`` ascending, in tokens) into consecutive batches of
+    positions: at most ``sentences_per_batch`` sentences, and with ``max_tokens`` (decode.max_tokens,
+    --max-tokens) at most that many hypothesis tokens, sentences x hypotheses per sentence x the
+    batch's longest source, as fairseq's --max-tokens (scaled by the beam: one budget bounds the
+    memory of greedy and beam search alike). A sentence longer than the budget is a batch alone."""
+    width, most = hypotheses_per_sentence(options), sentences_per_batch(options, batch_size, max_tokens)
+    batches, start = [], 0
+    while start < len(lengths):
+        end, limit = start + 1, min(start + most, len(lengths))
+        # ascending lengths: the source added last is the batch's longest
+        while end < limit and (not max_tokens or (end - start + 1) * width * lengths[end] <= max_tokens):
+            end += 1
+        batches.append(range(start, end))
+        start = end
+    return batches

@@ -227,7 +227,8 @@ def generate(
     """
     from tformer_cli.accel import check_mode
     from tformer_cli.ctranslate2_engine import check_engine
-    from tformer_cli.decoding import DecodeOptions, sentences_per_batch
+    from tformer_cli.batching import sentences_per_batch
+    from tformer_cli.decoding import DecodeOptions
     from tformer_cli.devices import resolve_device, resolve_precision
     from tformer_cli.render import generation_lines, warn
 

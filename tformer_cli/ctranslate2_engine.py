@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from tformer_cli.decoding import DecodeOptions, Hypothesis, Translation, decoding_batches
+from tformer_cli.batching import decoding_batches
+from tformer_cli.decoding import DecodeOptions, Hypothesis, Translation
 from tformer_cli.errors import UsageError
 from tformer_cli.runtime import LoadedRun
 from tformer_cli.tokenizer import NOT_OUTPUTS, SPECIALS

@@ -207,67 +207,101 @@ def beam_search(model: torch.nn.Module | Ensemble, src: Tensor, options: DecodeO
             return [[Hypothesis(row[:n], s, z)] for row, n, s, z in zip(tokens, lengths, scores, normalized)]
     limits = limits.tolist()
     cache = models.start_cache(encoded, capacity=max(limits) + 1, group=K)
-    scores = torch.zeros(B, K, device=device)
-    scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
-    history = torch.empty(B * K, 0, dtype=torch.long, device=device)
-    aligned = history.clone() if options.align_layer is not None else None  # a source position per token
-    last = torch.full((B * K, 1), BOS_ID, dtype=torch.long, device=device)
-    # characters of its prefix each beam has written
-    written = torch.zeros(B * K, dtype=torch.long, device=device) if prefix is not None else None
+    beams = _Beams.start(B, K, device, options.align_layer is not None, prefix is not None)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    alive = list(range(B))  # original sentence of each block of K rows
-
-    def finish(ends: list[tuple[int, int, float]], length: int) -> None:
-        """Add finished hypotheses, each (sentence, row of ``history``, score); their tokens are copied
-        to the host together."""
-        if not ends:
-            return
-        index = torch.tensor([row for _, row, _ in ends], device=device)
-        tokens = history[index].tolist()
-        alignments = aligned[index].tolist() if aligned is not None else [None] * len(ends)
-        for (sentence, _, score), row, alignment in zip(ends, tokens, alignments):
-            finished[sentence].append(Hypothesis(row, score, score / _length_penalty(length, alpha), alignment))
-
     for t in range(max(limits)):
-        n = len(alive)
-        log_probs, attention = models.next_log_probs(last, encoded, cache, options.align_layer)  # (n*K, V)
-        inside = prefix.inside([s for s in alive for _ in range(K)], written) if prefix is not None else None
-        constrain(log_probs, t, options, history if options.no_repeat_ngram else None, inside)
+        n = len(beams.alive)
+        log_probs, attention = models.next_log_probs(beams.last, encoded, cache, options.align_layer)  # (n*K, V)
+        inside = prefix.inside(beams.sentences(), beams.written) if prefix is not None else None
+        constrain(log_probs, t, options, beams.history if options.no_repeat_ngram else None, inside)
         if inside is None:
-            prefix = written = None  # every beam is past its prefix
+            prefix = beams.written = None  # every beam is past its prefix
         V = log_probs.shape[-1]
-        candidates = log_probs.add_(scores.view(n * K, 1)).view(n, K * V)  # in place: log_probs is not needed after
+        candidates = log_probs.add_(beams.scores.view(n * K, 1)).view(n, K * V)  # in place: not needed after
         top_scores, top_index = topk(candidates, 2 * K)  # (n, 2K): at most K of them end in EOS
         top_beam, top_token = top_index // V, top_index % V
         is_eos = (top_token == EOS_ID) & (top_scores > float("-inf"))  # -inf: a beam that a prefix left empty
         live_scores, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(K, dim=-1)  # (n, K)
         # what the bookkeeping reads, copied to the host at once: one wait for the device a step
         host = torch.stack([top_scores[:, :K], is_eos[:, :K], top_beam[:, :K], live_scores]).float().cpu()
-        finish([(alive[row], row * K + int(host[2, row, col]), float(host[0, row, col]))  # EOS among the K best
-                for row, col in host[1].nonzero().tolist()], t + 1)
+        beams.finish(finished, [(beams.alive[row], row * K + int(host[2, row, col]), float(host[0, row, col]))
+                                for row, col in host[1].nonzero().tolist()], t + 1, alpha)  # EOS among the K best
         origin = (top_beam.gather(1, pick) + torch.arange(n, device=device)[:, None] * K).view(-1)  # (n*K,)
         token = top_token.gather(1, pick).view(-1)
-        history = torch.cat([history[origin], token[:, None]], dim=1)
-        if prefix is not None:
-            written = written[origin] + prefix.pieces.chars(token)
-        if aligned is not None:  # a token is aligned by the attention of the step that chose it
-            source = attended_source(attention, src[alive].repeat_interleave(K, dim=0))
-            aligned = torch.cat([aligned[origin], source[origin, None]], dim=1)
-        scores, last = live_scores, token[:, None]
+        # a token is aligned by the attention of the step that chose it
+        source = (attended_source(attention, src[beams.alive].repeat_interleave(K, dim=0))
+                  if beams.aligned is not None else None)
+        beams.advance(origin, token, live_scores, source, prefix.pieces.chars(token) if prefix is not None else None)
         cache.reorder(origin)  # beams move within their sentence: cross-attention K/V stay put
-        done, ends = _sentences_done(finished, alive, host[3], t + 1, limits, options)
-        finish(ends, t + 1)
+        done, ends = _sentences_done(finished, beams.alive, host[3], t + 1, limits, options)
+        beams.finish(finished, ends, t + 1, alpha)
         if all(done):
             break
         if any(done):
-            keep_rows = [i for i, d in enumerate(done) if not d]
-            rows = torch.tensor([r * K + k for r in keep_rows for k in range(K)], device=device)
-            alive = [alive[r] for r in keep_rows]
-            scores, history, last = scores[keep_rows], history[rows], last[rows]
-            aligned = aligned[rows] if aligned is not None else None
-            written = written[rows] if written is not None else None
-            cache.select(rows)
+            cache.select(beams.keep(done))
     return [sorted(hyps, key=lambda h: -h.normalized)[: options.nbest] for hyps in finished]
+
+
+@dataclass
+class _Beams:
+    """Beam search's live hypotheses, K rows for each sentence still searched (``alive``: its index in
+    the batch): their scores, their tokens (``history``) and the last of them; and where they are
+    asked for, each token's most attended source position (``aligned``) and the characters of its
+    prefix each row has written (``written``)."""
+    alive: list[int]
+    scores: Tensor  # (n, K)
+    history: Tensor  # (n*K, t)
+    last: Tensor  # (n*K, 1)
+    aligned: Tensor | None  # (n*K, t)
+    written: Tensor | None  # (n*K,)
+
+    @classmethod
+    def start(cls, sentences: int, K: int, device: torch.device, aligned: bool, prefixed: bool) -> "_Beams":
+        scores = torch.zeros(sentences, K, device=device)
+        scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
+        history = torch.empty(sentences * K, 0, dtype=torch.long, device=device)
+        return cls(list(range(sentences)), scores, history,
+                   torch.full((sentences * K, 1), BOS_ID, dtype=torch.long, device=device),
+                   history.clone() if aligned else None,
+                   torch.zeros(sentences * K, dtype=torch.long, device=device) if prefixed else None)
+
+    def sentences(self) -> list[int]:
+        """The sentence of each row."""
+        return [sentence for sentence in self.alive for _ in range(self.scores.shape[1])]
+
+    def advance(self, origin: Tensor, token: Tensor, scores: Tensor, source: Tensor | None,
+                chars: Tensor | None) -> None:
+        """Row i continues row ``origin[i]`` with ``token[i]``, at ``scores`` (n, K); ``source``: the
+        source position each old row attended to most; ``chars``: the prefix characters each token writes."""
+        self.history = torch.cat([self.history[origin], token[:, None]], dim=1)
+        if self.aligned is not None:
+            self.aligned = torch.cat([self.aligned[origin], source[origin, None]], dim=1)
+        if self.written is not None:
+            self.written = self.written[origin] + chars
+        self.scores, self.last = scores, token[:, None]
+
+    def finish(self, finished: list[list[Hypothesis]], ends: list[tuple[int, int, float]], length: int,
+               alpha: float) -> None:
+        """Add to ``finished`` the hypotheses ``ends``, each (sentence, row, score); their tokens are
+        copied to the host together."""
+        if not ends:
+            return
+        index = torch.tensor([row for _, row, _ in ends], device=self.history.device)
+        tokens = self.history[index].tolist()
+        alignments = self.aligned[index].tolist() if self.aligned is not None else [None] * len(ends)
+        for (sentence, _, score), row, alignment in zip(ends, tokens, alignments):
+            finished[sentence].append(Hypothesis(row, score, score / _length_penalty(length, alpha), alignment))
+
+    def keep(self, done: list[bool]) -> Tensor:
+        """Drop the sentences that are ``done``; returns the rows kept, for the cache to keep too."""
+        K = self.scores.shape[1]
+        keep_rows = [i for i, d in enumerate(done) if not d]
+        rows = torch.tensor([r * K + k for r in keep_rows for k in range(K)], device=self.history.device)
+        self.alive = [self.alive[r] for r in keep_rows]
+        self.scores, self.history, self.last = self.scores[keep_rows], self.history[rows], self.last[rows]
+        self.aligned = self.aligned[rows] if self.aligned is not None else None
+        self.written = self.written[rows] if self.written is not None else None
+        return rows
 
 
 def _sentences_done(finished: list[list[Hypothesis]], alive: list[int], live_scores: Tensor, length: int,
@@ -317,47 +351,6 @@ class Translation:
     utilities: list[float] | None = None  # with MBR: each output's expected utility
 
 
-# Hypotheses (sentences x beams, or x samples) decoded together by default. More rows per step make its
-# matrix products cheaper per row, until beam search's rows outgrow the packed products (linear.MAX_ROWS)
-# and the kernels oneDNN builds per row count (benchmarks/README.md, "Small measurements").
-HYPOTHESES_PER_BATCH = 256
-
-
-def hypotheses_per_sentence(options: DecodeOptions) -> int:
-    """Rows a sentence takes in a decoding step: its beams, its samples, or its MBR candidates."""
-    if options.mbr:
-        options = options.candidates()
-    return options.nbest if options.sample else options.beam_size
-
-
-def sentences_per_batch(options: DecodeOptions, batch_size: int | None = None, max_tokens: int | None = None) -> int:
-    """The most sentences one batch holds: ``batch_size`` where one is set (decode.batch_size,
-    --batch-size); else, with ``max_tokens``, as many as fit it at the shortest source (two tokens);
-    else HYPOTHESES_PER_BATCH rows a step."""
-    if batch_size:
-        return batch_size
-    return max(1, (max_tokens // 2 if max_tokens else HYPOTHESES_PER_BATCH) // hypotheses_per_sentence(options))
-
-
-def decoding_batches(lengths: list[int], options: DecodeOptions, batch_size: int | None = None,
-                     max_tokens: int | None = None) -> list[range]:
-    """Cut sources sorted by length (``lengths`` ascending, in tokens) into consecutive batches of
-    positions: at most ``sentences_per_batch`` sentences, and with ``max_tokens`` (decode.max_tokens,
-    --max-tokens) at most that many hypothesis tokens, sentences x hypotheses per sentence x the
-    batch's longest source, as fairseq's --max-tokens (scaled by the beam: one budget bounds the
-    memory of greedy and beam search alike). A sentence longer than the budget is a batch alone."""
-    width, most = hypotheses_per_sentence(options), sentences_per_batch(options, batch_size, max_tokens)
-    batches, start = [], 0
-    while start < len(lengths):
-        end, limit = start + 1, min(start + most, len(lengths))
-        # ascending lengths: the source added last is the batch's longest
-        while end < limit and (not max_tokens or (end - start + 1) * width * lengths[end] <= max_tokens):
-            end += 1
-        batches.append(range(start, end))
-        start = end
-    return batches
-
-
 def translate(model: torch.nn.Module | Ensemble, vocab: Vocabulary, texts: list[str], options: DecodeOptions,
               batch_size: int | None = None, device: torch.device | str = "cpu",
               prefixes: list[str] | None = None, max_tokens: int | None = None) -> list[Translation]:
@@ -369,7 +362,7 @@ def translate(model: torch.nn.Module | Ensemble, vocab: Vocabulary, texts: list[
     Empty texts give an empty output without running the model; sources longer than the model's
     positions are truncated (keeping the closing EOS) and flagged.
     """
-    from tformer_cli.batching import pad_sequences
+    from tformer_cli.batching import decoding_batches, pad_sequences
 
     models = as_ensemble(model)
     max_len = models.max_len

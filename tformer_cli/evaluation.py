@@ -207,7 +207,7 @@ def validation_scores(hypotheses: list[str], references: list[str]) -> dict[str,
 
 def validation_rows(decode_cfg, sentences: int) -> int:
     """The most hypotheses a step of ``validation_hypotheses`` decodes together, over ``sentences`` sentences."""
-    from tformer_cli.decoding import sentences_per_batch
+    from tformer_cli.batching import sentences_per_batch
 
     return min(sentences, sentences_per_batch(_validation_search(decode_cfg), decode_cfg.batch_size,
                                               decode_cfg.max_tokens))
