@@ -258,6 +258,68 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_files(tmp_path, monkeyp
     assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
 
 
+def test_two_commands_writing_one_file_at_once_each_rename_a_whole_file_of_their_own(tmp_path):
+    """A second writer of the same file, starting and finishing while the first is halfway through,
+    neither fails the first nor makes it rename a half-written file into place: the later rename wins,
+    with its whole text, and no temporary file is left."""
+    import subprocess
+    import sys
+
+    from tformer_cli.files import replacing
+
+    out = tmp_path / "hyps.txt"
+    first, second = "first\n" * 50_000, "second\n" * 50_000
+    with replacing(out) as tmp:
+        with open(tmp, "w") as f:
+            f.write(first[:1000])  # halfway through, the other command writes the file whole
+            other = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                                    "from tformer_cli.files import write_text_atomic; "
+                                    "write_text_atomic(Path(sys.argv[1]), sys.stdin.read())", str(out)],
+                                   input=second, capture_output=True, text=True)
+            assert other.returncode == 0, other.stderr
+            assert out.read_text() == second
+            f.write(first[1000:])
+    assert out.read_text() == first
+    assert [p.name for p in tmp_path.iterdir()] == ["hyps.txt"]
+
+
+def test_a_write_removes_what_killed_writes_of_its_file_left_and_nothing_else(tmp_path):
+    """Temporaries that this machine's killed processes left (and an earlier tformer's .NAME.tmp) go with
+    the next write of their file; a running process's, another machine's and another file's stay."""
+    import subprocess
+    import sys
+
+    from tformer_cli.files import _host, write_text_atomic
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = int(ended.stdout), os.getppid()
+    host = _host()
+    left = [f".out.txt.{host}.{dead}.tmp", ".out.txt.tmp"]
+    kept = [f".out.txt.{host}.{alive}.tmp", f".out.txt.other-machine.{dead}.tmp", f".other.txt.{host}.{dead}.tmp",
+            f".out.txt.5.{host}.{dead}.tmp"]  # the last: a temporary of out.txt.5
+    for name in left + kept:
+        (tmp_path / name).write_text("half")
+    (tmp_path / f".out.txt.{host}.{dead}.tmp.d").mkdir()  # not a temporary name at all
+    write_text_atomic(tmp_path / "out.txt", "whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["out.txt", f".out.txt.{host}.{dead}.tmp.d"])
+
+
+def test_temporaries_of_interrupted_writes_count_as_a_runs_own_files(tmp_path, trained_run):
+    import shutil
+
+    from tformer_cli.run_folder import foreign_files
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    own = [run / ".model.safetensors.tmp", run / ".model.safetensors.node-7.123.tmp",
+           step_checkpoints(run)[0] / ".trainer.pt.node-7.123.tmp"]
+    for path in own:
+        path.write_bytes(b"half")
+    (run / "checkpoints" / ".step-00000009.node-7.123.tmp").mkdir()
+    (run / ".notes.txt.node-7.123.tmp").write_text("a user's")
+    assert foreign_files(run) == [run / ".notes.txt.node-7.123.tmp"]
+
+
 def test_a_disk_full_at_an_epochs_bpe_dropout_segmentation_is_one_line_and_the_run_resumes(tmp_path, monkeypatch):
     """The segmentation a checkpoint keeps is written inside the checkpoint's folder: a full disk there
     leaves the checkpoint before it (with its own segmentation) intact, and the run resumes from it."""

@@ -238,7 +238,7 @@ def split_tensors(split: EncodedSplit) -> dict[str, torch.Tensor]:
 
 def write_encoded(split: EncodedSplit, path: Path) -> None:
     """``split`` at ``path`` as a cache entry, written atomically."""
-    with replacing(path, shared=True) as tmp:
+    with replacing(path) as tmp:
         save_encoded(split, tmp)
 
 
@@ -315,7 +315,7 @@ def train_or_load_vocabulary(cfg: DataConfig, notice: Callable[[str], None] = la
                              cfg.bpe_max_pairs)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(folder, shared=True) as tmp:  # whole: a full disk leaves no folder without its files
+        with replacing(folder) as tmp:  # whole: a full disk leaves no folder without its files
             tmp.mkdir()
             vocab.save(tmp)
     except (CheckpointError, OSError) as exc:

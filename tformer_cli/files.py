@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import glob
 import json
 import math
 import os
@@ -22,16 +23,29 @@ from typing import Any
 from tformer_cli.errors import CheckpointError, first_line
 
 
-def temporary_name(path: Path, shared: bool = False) -> Path:
-    """Where ``path`` is written before it is renamed into place: ``.NAME.tmp`` beside it, or, for a
-    file that other processes may be writing at the same time (``shared``), ``.NAME.PID.tmp``."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp" if shared else f".{path.name}.tmp")
+def temporary_name(path: Path) -> Path:
+    """Where this process writes ``path`` before renaming it into place: ``.NAME.HOST.PID.tmp`` beside
+    it. A name per process, so that two commands writing the same file at once (two evals into one
+    file, jobs of a sweep filling one cache entry) each rename a whole file of their own into place,
+    the later one winning, and neither renames or removes what the other is halfway through."""
+    return path.with_name(f".{path.name}.{_host()}.{os.getpid()}.tmp")
+
+
+# .NAME.HOST.PID.tmp; .NAME.tmp is an earlier tformer's
+_TEMPORARY = re.compile(r"\.(?P<name>.+?)(?:\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+))?\.tmp")
+
+
+def final_name(name: str) -> str | None:
+    """The name that the temporary file ``name`` is renamed to (``.model.safetensors.HOST.123.tmp`` ->
+    ``model.safetensors``); None if ``name`` is not one of tformer's temporary names."""
+    found = _TEMPORARY.fullmatch(name)
+    return found["name"] if found else None
 
 
 @contextlib.contextmanager
-def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
+def replacing(path: Path) -> Iterator[Path]:
     """Yield a temporary path (file or folder) to write; on success it replaces ``path`` durably.
-    ``shared``: other processes may write ``path`` too (a cache entry): each writes its own temporary.
+    What killed writes of ``path`` left behind is removed first (``_remove_left_behind``).
 
     Raises:
         CheckpointError: the write failed (a full disk, say); ``path`` is as it was and the
@@ -40,8 +54,8 @@ def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
     path = Path(path)
     if path.is_symlink():  # a link someone made stays; what it points to is written
         path = path.resolve()
-    tmp = temporary_name(path, shared)
-    _remove(tmp)
+    tmp = temporary_name(path)
+    _remove_left_behind(path)
     try:
         yield tmp
         _finish(tmp)
@@ -55,6 +69,45 @@ def replacing(path: Path, shared: bool = False) -> Iterator[Path]:
         if isinstance(exc, (OSError, RuntimeError)) or type(exc).__name__ == "SafetensorError":
             raise write_failed(path, exc, "nothing was replaced") from exc
         raise
+
+
+def _remove_left_behind(path: Path) -> None:
+    """Remove the temporary files of ``path`` that no process is writing: those that processes of this
+    machine left when killed mid-write (a kill -9, a power cut), and this process's own. Another
+    machine's, in a folder they share, are left alone: whether its writer still runs cannot be told."""
+    try:
+        siblings = list(path.parent.glob(f".{glob.escape(path.name)}.*tmp"))
+    except OSError:
+        return
+    for sibling in siblings:
+        found = _TEMPORARY.fullmatch(sibling.name)
+        if found and found["name"] == path.name and (found["pid"] is None or (
+                found["host"] == _host() and not _running(int(found["pid"])))):
+            _remove(sibling)
+
+
+@functools.cache
+def _host() -> str:
+    """This machine's name, as a temporary file's name holds it: letters, digits and dashes."""
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+
+
+def _running(pid: int) -> bool:
+    """Whether a process numbered ``pid`` other than this one runs on this machine; True where that
+    cannot be told (Windows; another user's process)."""
+    if pid == os.getpid():
+        return False
+    if os.name == "nt":  # os.kill(pid, 0) would end the process there
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process; a number too large to be one
+        return True
+    return True
 
 
 class WriteFailed(CheckpointError):
@@ -227,7 +280,7 @@ def _carry_over(old: Path, new: Path) -> None:
     """Move into the folder ``new`` whatever the folder ``old`` that it replaces holds and it does not:
     replacing a folder replaces the files written into it, not a user's files beside them."""
     for entry in old.iterdir():
-        if not (new / entry.name).exists() and not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+        if not (new / entry.name).exists() and final_name(entry.name) is None:
             os.replace(entry, new / entry.name)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from tformer_cli.errors import UsageError
-from tformer_cli.files import write_text_atomic
+from tformer_cli.files import final_name, write_text_atomic
 from tformer_cli.tokenizer import JOINT_FILE, SOURCE_FILE, TARGET_FILE
 
 MARKER = ".tformer-run"  # written first, when tformer creates a run folder
@@ -168,7 +168,5 @@ def _is_own_file(path: Path, names: set[str]) -> bool:
 
 
 def _final_name(name: str) -> str:
-    """``.model.safetensors.tmp`` -> ``model.safetensors``: the name a temporary file is renamed to."""
-    if name.startswith(".") and name.endswith(".tmp") and name != MARKER:
-        return name[1:-len(".tmp")]
-    return name
+    """``.model.safetensors.123.tmp`` -> ``model.safetensors``: the name a temporary file is renamed to."""
+    return final_name(name) or name
