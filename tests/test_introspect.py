@@ -128,6 +128,34 @@ def test_image_is_written(setup, tmp_path):
     assert images == [(str(len(m.columns)), str(len(m.rows))) for m in maps]
 
 
+def test_an_image_is_drawn_once_laid_out_as_tight_layout_lays_it_out(setup, tmp_path, monkeypatch):
+    """savefig draws a figure twice when it has a layout engine, and tight_layout leaves one: the image is
+    laid out as tight_layout would lay it out, and drawn once."""
+    from matplotlib.figure import Figure
+
+    model, vocab = setup
+    maps = select_maps(capture_attention(model, vocab, TEXTS[0], TEXTS[1]), "encoder", "all", "all")
+    draw, drawn, placed = Figure.draw, [], {}
+
+    def counted(figure, renderer):
+        drawn.append(1)
+        placed.setdefault("positions", [ax.get_position().bounds for ax in figure.axes])
+        return draw(figure, renderer)
+
+    monkeypatch.setattr(Figure, "draw", counted)
+    save_image(maps, tmp_path / "grid.png")
+    assert len(drawn) == 1
+    ours = placed.pop("positions")
+
+    class TightLayout:  # the figure's own tight_layout (figure.py holds its own TightLayoutEngine)
+        def execute(self, figure):
+            figure.tight_layout()
+
+    monkeypatch.setattr("matplotlib.layout_engine.TightLayoutEngine", TightLayout)
+    save_image(maps, tmp_path / "reference.png")
+    assert len(drawn) == 3 and placed["positions"] == ours  # tight_layout's own: the same places, drawn twice
+
+
 def test_inspect_attention_cli(trained_run, tmp_path):
     runner = CliRunner()
     image = tmp_path / "attention.png"
