@@ -359,6 +359,9 @@ def _load_named(name: str, subset: str | None, revision: str | None):
 
 
 def _columns(dataset, cfg: DataConfig, where: str) -> ArrowPairs:
+    import datasets
+
+    mixed = getattr(datasets, "Json", ())  # datasets' type for a field whose values differ in type (since 5.0)
     flat = dataset.flatten()
     for key, name in (("data.source", cfg.source), ("data.target", cfg.target)):
         if name not in flat.column_names:
@@ -366,7 +369,7 @@ def _columns(dataset, cfg: DataConfig, where: str) -> ArrowPairs:
             hint = f"; did you mean '{nested[0]}'?" if len(nested) == 1 else ""
             raise DataError(f"{key}: field '{name}' not in the dataset (fields: {', '.join(flat.column_names)}){hint}")
         feature = flat.features[name]
-        if type(feature).__name__ == "Json":  # datasets' type for a field whose values differ in type
+        if isinstance(feature, mixed):
             raise _mixed_types(flat, name, key, where)
         if getattr(feature, "dtype", None) not in ("string", "large_string", "null"):
             raise DataError(f"{key}: field '{name}' holds {getattr(feature, 'dtype', None) or type(feature).__name__}"
