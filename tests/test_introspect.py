@@ -134,7 +134,7 @@ def test_an_image_is_drawn_once_laid_out_as_tight_layout_lays_it_out(setup, tmp_
     from matplotlib.figure import Figure
 
     model, vocab = setup
-    maps = select_maps(capture_attention(model, vocab, TEXTS[0], TEXTS[1]), "encoder", "all", "all")
+    maps = select_maps(capture_attention(model, vocab, TEXTS[0], TEXTS[1]), "encoder", "1", "1")
     draw, drawn, placed = Figure.draw, [], {}
 
     def counted(figure, renderer):
