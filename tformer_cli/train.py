@@ -1,9 +1,10 @@
 """The training loop: one explicit function, reading in order
 batch -> forward -> loss -> backward -> clip -> step -> schedule -> callback -> evaluation -> checkpoint.
 
-Progress leaves through ``callback(event, data)``; nothing here prints. Under ``torchrun`` several
-processes train together (``parallel.py``: DDP or FSDP2): batches are sharded by rank, so is validation
-under DDP, and only rank 0 logs and saves.
+What a run does before its first step (its batches, steps and limits) is ``train_plan.py``, and the
+speed layer's kernels built then ``kernel_warmup.py``. Progress leaves through ``callback(event, data)``;
+nothing here prints. Under ``torchrun`` several processes train together (``parallel.py``: DDP or
+FSDP2): batches are sharded by rank, so is validation under DDP, and only rank 0 logs and saves.
 """
 
 from __future__ import annotations
