@@ -29,6 +29,7 @@ def one_run(variant: str, seed: int, steps: int, folder: Path) -> dict:
     import functools
     import time
 
+    import tformer_cli.run_setup as run_setup
     import tformer_cli.train as training
     from tformer_cli.accel import accelerate
     from tformer_cli.config import load_config
@@ -36,7 +37,7 @@ def one_run(variant: str, seed: int, steps: int, folder: Path) -> dict:
     from tformer_cli.evaluation import evaluate_run
     from tformer_cli.runtime import load_run
 
-    training.accelerate = functools.partial(accelerate, skip=VARIANTS[variant])
+    run_setup.accelerate = functools.partial(accelerate, skip=VARIANTS[variant])  # where training applies it
     config = load_config(ROOT / "configs" / "multi30k-en-de.yaml", [
         f"data.dataset={MULTI30K}", "train.precision=fp32", f"train.seed={seed}", f"train.max_steps={steps}",
         "train.max_time=null", f"train.warmup_steps={min(1600, steps // 2)}", f"train.eval_every={steps}", "train.eval_bleu=false", "train.best_metric=loss",
