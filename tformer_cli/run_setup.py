@@ -77,22 +77,7 @@ class Setup:
         cfg = config.train
         seed_everything(cfg.seed)  # the same initial weights in every process
         checkpoint = self._last_checkpoint() if resume else None
-        self._check_fits()
-        self.model = self._build_model(draw=checkpoint is None)  # resumed: the weights come from the checkpoint
-        if checkpoint is not None:
-            load_weights(self.model, checkpoint / WEIGHTS)
-        # the objective in one module, for DDP or FSDP to wrap when several processes train
-        self.compiled = compiles(cfg.compile, device)
-        loss = compiled_loss() if self.compiled else label_smoothed_loss
-        layers = [*self.model.encoder.layers, *self.model.decoder.layers]
-        self.trainer = distribute(Seq2SeqLoss(self.model, cfg.label_smoothing, cfg.rdrop, loss), layers, workers,
-                                  cfg.parallel, device)
-        self.replica = self._build_model() if self.sharded and workers.main else None
-        self.replica_step: int | None = None  # the training step whose weights were gathered into it
-        self.optimizer = make_optimizer(self.model, cfg, device)  # over the parameters as distributed
-        # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
-        self.precision = resolve_precision(cfg.precision, device)  # auto: bf16 on a recent GPU, fp32 elsewhere
-        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
+        self._build_trainer(checkpoint)
         self.writer = RunWriter(writes_in_background(device))  # checkpoints: beside training on a GPU
         self.state, saved = TrainState(), {}
         # overrides given on resume are recorded in config.yaml with the first checkpoint made under them,
@@ -125,6 +110,27 @@ class Setup:
         if self.ema is not None and "ema" in saved:
             shadow = [shard_like(t, s) for t, s in zip(saved["ema"]["shadow"], self.ema.shadow)]
             self.ema.load_state_dict({**saved["ema"], "shadow": shadow})
+
+    def _build_trainer(self, checkpoint: Path | None) -> None:
+        """The model (with ``checkpoint``'s weights, if given), the objective that DDP or FSDP wraps, the
+        optimizer over the parameters as distributed, and the precision with its gradient scaler."""
+        cfg, device, workers = self.config.train, self.device, self.workers
+        self._check_fits()
+        self.model = self._build_model(draw=checkpoint is None)  # resumed: the weights come from the checkpoint
+        if checkpoint is not None:
+            load_weights(self.model, checkpoint / WEIGHTS)
+        # the objective in one module, for DDP or FSDP to wrap when several processes train
+        self.compiled = compiles(cfg.compile, device)
+        loss = compiled_loss() if self.compiled else label_smoothed_loss
+        layers = [*self.model.encoder.layers, *self.model.decoder.layers]
+        self.trainer = distribute(Seq2SeqLoss(self.model, cfg.label_smoothing, cfg.rdrop, loss), layers, workers,
+                                  cfg.parallel, device)
+        self.replica = self._build_model() if self.sharded and workers.main else None
+        self.replica_step: int | None = None  # the training step whose weights were gathered into it
+        self.optimizer = make_optimizer(self.model, cfg, device)  # over the parameters as distributed
+        # fp16's loss scale, found over many steps, is kept in checkpoints so that a resume starts from it
+        self.precision = resolve_precision(cfg.precision, device)  # auto: bf16 on a recent GPU, fp32 elsewhere
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.precision == "fp16")
 
     def epoch_split(self) -> EncodedSplit:
         """The training split of the epoch under way: under BPE-dropout, segmented for it."""
