@@ -285,20 +285,24 @@ def test_two_commands_writing_one_file_at_once_each_rename_a_whole_file_of_their
 
 def test_a_write_removes_what_killed_writes_of_its_file_left_and_nothing_else(tmp_path):
     """Temporaries that this machine's killed processes left (and an earlier tformer's .NAME.tmp) go with
-    the next write of their file; a running process's, another machine's and another file's stay."""
+    the next write of their file, and another machine's once unchanged for a day; a running process's,
+    another machine's written to lately and another file's stay."""
     import subprocess
     import sys
+    import time
 
-    from tformer_cli.files import _host, write_text_atomic
+    from tformer_cli.files import ABANDONED_AFTER, _host, write_text_atomic
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead, alive = int(ended.stdout), os.getppid()
     host = _host()
-    left = [f".out.txt.{host}.{dead}.tmp", ".out.txt.tmp"]
+    left = [f".out.txt.{host}.{dead}.tmp", ".out.txt.tmp", f".out.txt.restarted-elsewhere.{alive}.tmp"]
     kept = [f".out.txt.{host}.{alive}.tmp", f".out.txt.other-machine.{dead}.tmp", f".other.txt.{host}.{dead}.tmp",
             f".out.txt.5.{host}.{dead}.tmp"]  # the last: a temporary of out.txt.5
     for name in left + kept:
         (tmp_path / name).write_text("half")
+    day_old = time.time() - ABANDONED_AFTER - 60
+    os.utime(tmp_path / f".out.txt.restarted-elsewhere.{alive}.tmp", (day_old, day_old))
     (tmp_path / f".out.txt.{host}.{dead}.tmp.d").mkdir()  # not a temporary name at all
     write_text_atomic(tmp_path / "out.txt", "whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["out.txt", f".out.txt.{host}.{dead}.tmp.d"])

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ def temporary_name(path: Path) -> Path:
 
 
 # .NAME.HOST.PID.tmp; .NAME.tmp is an earlier tformer's
-_TEMPORARY = re.compile(r"\.(?P<name>.+?)(?:\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+))?\.tmp")
+_TEMPORARY = re.compile(r"\.(?P<name>.+?)(?:\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+))?\.tmp", re.DOTALL)
+ABANDONED_AFTER = 24 * 3600  # seconds: another machine's temporary unchanged this long was left by a killed write
 
 
 def final_name(name: str) -> str | None:
@@ -73,17 +75,28 @@ def replacing(path: Path) -> Iterator[Path]:
 
 def _remove_left_behind(path: Path) -> None:
     """Remove the temporary files of ``path`` that no process is writing: those that processes of this
-    machine left when killed mid-write (a kill -9, a power cut), and this process's own. Another
-    machine's, in a folder they share, are left alone: whether its writer still runs cannot be told."""
+    machine left when killed mid-write (a kill -9), this process's own, and another machine's (in a
+    folder they share; a job restarted on a machine of another name) once unchanged for a day, as
+    whether its writer still runs cannot be told."""
     try:
         siblings = list(path.parent.glob(f".{glob.escape(path.name)}.*tmp"))
     except OSError:
         return
     for sibling in siblings:
         found = _TEMPORARY.fullmatch(sibling.name)
-        if found and found["name"] == path.name and (found["pid"] is None or (
-                found["host"] == _host() and not _running(int(found["pid"])))):
+        if found and found["name"] == path.name and _abandoned(sibling, found["host"], found["pid"]):
             _remove(sibling)
+
+
+def _abandoned(temporary: Path, host: str | None, pid: str | None) -> bool:
+    if pid is None:  # an earlier tformer's .NAME.tmp
+        return True
+    if host == _host():
+        return not _running(int(pid))
+    try:
+        return time.time() - temporary.stat().st_mtime > ABANDONED_AFTER
+    except OSError:  # gone meanwhile
+        return False
 
 
 @functools.cache

@@ -168,5 +168,5 @@ def _is_own_file(path: Path, names: set[str]) -> bool:
 
 
 def _final_name(name: str) -> str:
-    """``.model.safetensors.123.tmp`` -> ``model.safetensors``: the name a temporary file is renamed to."""
+    """``.model.safetensors.HOST.123.tmp`` -> ``model.safetensors``: the name a temporary file is renamed to."""
     return final_name(name) or name
