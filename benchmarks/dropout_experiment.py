@@ -24,20 +24,28 @@ MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
 VARIANTS = {"splitmix": (), "torch": ("dropout", "attention")}
 
 
-def one_run(variant: str, seed: int, steps: int, folder: Path) -> dict:
-    """Train and score one (variant, seed) in this process."""
+def use_variant(variant: str) -> None:
+    """Have training in this process build its models with the speed layer less ``VARIANTS[variant]``:
+    every model it trains is built through ``run_setup.accelerate``."""
     import functools
-    import time
 
     import tformer_cli.run_setup as run_setup
-    import tformer_cli.train as training
     from tformer_cli.accel import accelerate
+
+    run_setup.accelerate = functools.partial(accelerate, skip=VARIANTS[variant])
+
+
+def one_run(variant: str, seed: int, steps: int, folder: Path) -> dict:
+    """Train and score one (variant, seed) in this process."""
+    import time
+
+    import tformer_cli.train as training
     from tformer_cli.config import load_config
     from tformer_cli.decoding import DecodeOptions
     from tformer_cli.evaluation import evaluate_run
     from tformer_cli.runtime import load_run
 
-    run_setup.accelerate = functools.partial(accelerate, skip=VARIANTS[variant])  # where training applies it
+    use_variant(variant)
     config = load_config(ROOT / "configs" / "multi30k-en-de.yaml", [
         f"data.dataset={MULTI30K}", "train.precision=fp32", f"train.seed={seed}", f"train.max_steps={steps}",
         "train.max_time=null", f"train.warmup_steps={min(1600, steps // 2)}", f"train.eval_every={steps}", "train.eval_bleu=false", "train.best_metric=loss",

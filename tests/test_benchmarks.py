@@ -73,6 +73,30 @@ def test_tformers_own_variants_are_not_counted_as_peers_and_each_gets_its_ratio(
     assert [r.get("ratio_vs_best_peer") for r in records] == [2.0, 3.0, None]
 
 
+@pytest.mark.parametrize("variant", ["splitmix", "torch"])
+def test_the_dropout_experiments_variant_is_the_speed_layer_that_training_builds(tmp_path, monkeypatch, variant):
+    """dropout_experiment.py compares two speed layers by swapping what training builds its model with:
+    the model a run sets up has the variant's dropout and attention (torch's own with 'torch')."""
+    sys.path.insert(0, str(RUN.parent))
+    import torch
+    from dropout_experiment import use_variant
+
+    import tformer_cli.run_setup as run_setup
+    from conftest import write_config
+    from tformer_cli.accel.attention import CpuAttention
+    from tformer_cli.accel.dropout import FastDropout
+    from tformer_cli.config import load_config
+    from tformer_cli.parallel import Workers
+
+    monkeypatch.setattr(run_setup, "accelerate", run_setup.accelerate)  # put back after the test
+    use_variant(variant)
+    config = load_config(write_config(tmp_path / "d.yaml", model={"dropout": 0.1}))
+    model = run_setup.Setup(config, tmp_path / "run", False, torch.device("cpu"), lambda *args: None, Workers()).model
+    kinds = {type(module) for module in model.modules()}
+    assert ({FastDropout, CpuAttention} <= kinds) == (variant == "splitmix")
+    assert (torch.nn.Dropout in kinds) == (variant == "torch")
+
+
 def test_paper_scale_batches_have_real_lengths_and_the_papers_tokens_a_step():
     sys.path.insert(0, str(RUN.parent))
     import torch
