@@ -209,8 +209,13 @@ def write_output(path: Path, text: str) -> None:
 
 
 def write_figure(figure, path: Path, dpi: int) -> None:  # noqa: ANN001 - a matplotlib Figure
-    """Save a matplotlib figure as ``replacing`` writes: whole or not at all, a full disk one
-    ``CheckpointError``. The format is the name's extension (.png, .svg, .pdf)."""
+    """Lay out a matplotlib figure as ``tight_layout`` lays it out and save it as ``replacing`` writes:
+    whole or not at all, a full disk one ``CheckpointError``. The format is the name's extension (.png,
+    .svg, .pdf). The layout is computed here, once: ``figure.tight_layout()`` would leave the figure a
+    placeholder layout engine, for which savefig lays it out, drawing it whole, a second time."""
+    from matplotlib.layout_engine import TightLayoutEngine
+
+    TightLayoutEngine().execute(figure)
     path.parent.mkdir(parents=True, exist_ok=True)
     with replacing(path) as tmp:
         figure.savefig(tmp, dpi=dpi, format=path.suffix[1:].lower())

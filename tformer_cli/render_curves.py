@@ -59,6 +59,5 @@ def plot_curves(records: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_ylabel(f"validation {METRICS[score]} (greedy)")
         ax.grid(alpha=0.3)
     fig.suptitle(title, parse_math=False)  # a run's path is text, $ and all
-    fig.tight_layout()
-    write_figure(fig, path, dpi=130)
+    write_figure(fig, path, dpi=130)  # laid out there
     plt.close(fig)
