@@ -89,6 +89,7 @@ def _remove_left_behind(path: Path) -> None:
 
 
 def _abandoned(temporary: Path, host: str | None, pid: str | None) -> bool:
+    """Whether no process writes ``temporary`` any more, by the host and process its name holds."""
     if pid is None:  # an earlier tformer's .NAME.tmp
         return True
     if host == _host():

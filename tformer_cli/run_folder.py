@@ -154,7 +154,7 @@ def foreign_files(run_dir: Path) -> list[Path]:
 def _foreign_checkpoints(folder: Path) -> list[Path]:
     foreign = []
     for checkpoint in sorted(folder.iterdir()):
-        if not (_CHECKPOINT_FOLDER.fullmatch(_final_name(checkpoint.name)) and checkpoint.is_dir()
+        if not (_CHECKPOINT_FOLDER.fullmatch(final_name(checkpoint.name) or checkpoint.name) and checkpoint.is_dir()
                 and not checkpoint.is_symlink()):
             foreign.append(checkpoint)
             continue
@@ -163,10 +163,5 @@ def _foreign_checkpoints(folder: Path) -> list[Path]:
 
 
 def _is_own_file(path: Path, names: set[str]) -> bool:
-    own_name = _final_name(path.name) in names or _WRITERS_TEMPORARY.fullmatch(path.name)
+    own_name = (final_name(path.name) or path.name) in names or _WRITERS_TEMPORARY.fullmatch(path.name)
     return bool(own_name) and path.is_file() and not path.is_symlink()
-
-
-def _final_name(name: str) -> str:
-    """``.model.safetensors.HOST.123.tmp`` -> ``model.safetensors``: the name a temporary file is renamed to."""
-    return final_name(name) or name
