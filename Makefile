@@ -1,25 +1,38 @@
 # tformer: `make test` and `make demo` each set everything up on a fresh clone.
 PYTHON ?= python3
-# The CPU wheel by default; a GPU user runs e.g. `make install TORCH=torch==2.13.0` with a CUDA index.
+# torch's requirement and the index to take it from: by default the CPU wheel here, and PyPI's build (CUDA
+# 13.0 on Linux) elsewhere; another is e.g. TORCH_INDEX=https://download.pytorch.org/whl/cu128 (drivers
+# older than 580) or .../whl/cpu
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_ARGS := "$(TORCH)"$(if $(TORCH_INDEX), --index-url "$(TORCH_INDEX)")
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TORCH_STAMP := $(VENV)/.torch
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-slow demo multi30k bench readme-images clean
+.PHONY: FORCE help install test test-slow demo multi30k bench readme-images clean
 
 help: ## List the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+# The torch asked for, kept in the venv: asking for another (TORCH, TORCH_INDEX) reinstalls torch, which
+# pip would otherwise leave as it is (the CPU wheel's 2.13.0+cpu already meets torch==2.13.0). A venv
+# from before this record gets one dated 1970, which reinstalls nothing.
+$(TORCH_STAMP): FORCE
+	@mkdir -p $(VENV)
+	@if [ ! -f $@ ]; then echo '$(TORCH_ARGS)' > $@ && touch -t 197001010000 $@; \
+	elif ! echo '$(TORCH_ARGS)' | cmp -s - $@; then echo '$(TORCH_ARGS)' > $@; fi
+
+$(STAMP): pyproject.toml $(TORCH_STAMP)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet $(if $(and $(wildcard $@),$(filter $(TORCH_STAMP),$?)),--force-reinstall )$(TORCH_ARGS)
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
-install: $(STAMP) ## Create .venv and install tformer with test tools (TORCH=... to pick the wheel)
+install: $(STAMP) ## Create .venv and install tformer with test tools (TORCH=..., TORCH_INDEX=... pick torch)
 
 test: $(STAMP) ## Run the test suite
 	$(BIN)/pytest
