@@ -69,6 +69,7 @@ readme-images: $(STAMP) ## Redraw the README's images from runs/demo (run `make 
 	$(BIN)/tformer inspect-attention runs/demo "twenty-one thousand three hundred forty-five" --save data/readme/attention-demo.png > /dev/null
 	$(BIN)/tformer plot runs/demo --output data/readme/curves-demo.png
 
-clean: ## Remove the venv, caches and runs
-	rm -rf $(VENV) runs .pytest_cache build *.egg-info
+# runs/ stays: it holds trained models (make demo's, make multi30k's, tformer train's by default)
+clean: ## Remove the venv and caches (runs/ stays)
+	rm -rf $(VENV) .pytest_cache build *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
