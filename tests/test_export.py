@@ -192,6 +192,25 @@ def test_generate_with_the_ctranslate2_engine_translates_as_tformer_does(trained
     assert len(_generate(trained_run, "--engine", "ctranslate2", "--precision", "int8")) == len(TEXTS)
 
 
+def test_an_output_that_ctranslate2_ends_where_a_prefix_cut_mid_word_ends_is_warned_of_once(trained_run, monkeypatch):
+    """CTranslate2 forces a prefix as its own tokens: "einund" gave "einund" where tformer's engine, which
+    completes a word cut short, gave "einundzwanzig" (the demo run). Such an output is named once on
+    stderr; one where the prefix ends with a space (a whole word) is not, nor any from tformer's engine."""
+    pytest.importorskip("ctranslate2")
+    from tformer_cli.ctranslate2_engine import CTranslate2Engine
+    from tformer_cli.decoding import Hypothesis, Translation
+
+    def stopping_at_the_prefix(self, texts, options, batch_size=None, prefixes=None, max_tokens=None):
+        return [Translation(text, [(prefix, Hypothesis([], 0.0, 0.0))], False) for text, prefix in zip(texts, prefixes)]
+
+    monkeypatch.setattr(CTranslate2Engine, "translate", stopping_at_the_prefix)
+    for prefix, engine, warned in (("einund", "ctranslate2", 1), ("einund ", "ctranslate2", 0), ("einund", "tformer", 0)):
+        result = runner.invoke(app, ["generate", str(trained_run), *TEXTS, "--prefix", prefix, "--engine", engine])
+        assert result.exit_code == 0, result.output
+        assert result.stderr.count("cannot complete a word cut short") == warned, (prefix, engine, result.stderr)
+    assert result.stdout.splitlines()[0].startswith("einund")  # tformer's own decoding, not the stand-in
+
+
 def test_neither_engine_writes_padding_or_the_start_symbol_where_the_model_likes_them(trained_run, tmp_path):
     import shutil
 

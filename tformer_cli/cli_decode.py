@@ -256,7 +256,7 @@ def generate(
         mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
     check_min_len(options.min_len, models.max_len)
     batch_size, max_tokens = batch_size or loaded.config.decode.batch_size, max_tokens or loaded.config.decode.max_tokens
-    number = 0
+    number, stopped_at_prefix = 0, False
     for chunk in input_batches(texts, prefix, json_input, loaded.vocab,
                                sentences_per_batch(options, batch_size, max_tokens)):
         prefixes = [p or "" for _, p in chunk]
@@ -268,6 +268,10 @@ def generate(
             if _prefix_cut(loaded.vocab, forced, result, models.max_len):
                 warn(f"the model's {models.max_len} positions ran out inside the prefix, so the output holds only "
                      f"its start: {forced[:40]}…")
+            if engine != "tformer" and not stopped_at_prefix and _stopped_at_prefix(forced, result):
+                stopped_at_prefix = True  # once a command
+                warn(f"--engine ctranslate2 ended an output where its prefix ends ({forced[-40:]!r}): it forces a "
+                     "prefix as its own tokens and cannot complete a word cut short; --engine tformer completes it")
             generation_lines(result, json_output, number, loaded.vocab if align else None)
             number += 1
 
@@ -279,6 +283,13 @@ def _prefix_cut(vocab: Vocabulary, prefix: str, result, max_len: int) -> bool:
         return False
     spelled = vocab.spell_prefix(prefix)
     return any(not "".join(vocab.target_tokens(tokens)).startswith(spelled) for tokens in full)
+
+
+def _stopped_at_prefix(prefix: str, result) -> bool:
+    """Whether an output is ``prefix`` and no more, a prefix that does not end a word with a space: what
+    CTranslate2 gives for a word cut short ("einund"), forced as the tokens it splits into alone."""
+    return bool(prefix) and not prefix[-1].isspace() and any(text.strip() == prefix.strip()
+                                                              for text, _ in result.outputs)
 
 
 def _translator(engine: str, runs: list[Path], device, accel: str, precision: str):

@@ -9,7 +9,8 @@ equal tformer's (tests/test_export.py). Where the two differ:
   length ** alpha, where tformer uses GNMT's ((5 + length) / 6) ** alpha;
 - the length limit a * source_length + b is taken per batch, from its longest source;
 - a prefix is forced as its own tokens (CTranslate2 has no hook to constrain each step), so a prefix
-  that ends mid-word is not completed as tformer's ``decoding.Prefix`` completes it;
+  that ends mid-word is not completed as tformer's ``decoding.Prefix`` completes it (``generate``
+  warns of an output that ends where such a prefix ends);
 - scores are CTranslate2's: without a forced prefix's log-probabilities, renormalized over the tokens
   it may write (never padding nor the start symbol, and no end of sentence before --min-len), and
   length-normalized in beam search;
