@@ -128,6 +128,34 @@ def test_image_is_written(setup, tmp_path):
     assert images == [(str(len(m.columns)), str(len(m.rows))) for m in maps]
 
 
+def _png_size(path) -> tuple[int, int]:
+    header = path.read_bytes()[16:24]  # the IHDR chunk: width, height
+    return int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")
+
+
+def test_a_png_of_many_or_long_maps_is_drawn_within_a_pixel_budget_and_says_when_its_labels_are_unreadable(
+        setup, trained_run, tmp_path, monkeypatch):
+    """At 150 dpi base's 48 maps of a 30-token sentence made a 106 M-pixel .png, and the 6 layers of a
+    250-token sentence 690 M pixels (7 GB to draw): a larger grid now gets fewer dots an inch, a .svg keeps
+    every label as text whatever its size, and the command says when a .png's labels cannot be read."""
+    import tformer_cli.render_attention as render_attention
+
+    model, vocab = setup
+    maps = select_maps(capture_attention(model, vocab, TEXTS[0], TEXTS[1]), "encoder", "all", "all")
+    assert save_image(maps, tmp_path / "full.png") == 150  # within the budget
+    width, height = _png_size(tmp_path / "full.png")
+    monkeypatch.setattr(render_attention, "IMAGE_PIXELS", width * height // 4)
+    assert save_image(maps, tmp_path / "capped.png") == pytest.approx(75, rel=0.01)
+    assert _png_size(tmp_path / "capped.png") == pytest.approx((width / 2, height / 2), abs=1)  # the same figure
+    assert save_image(maps, tmp_path / "grid.svg") == 150  # labels as text, weights as they are
+    for budget, warned in ((10 ** 9, False), (10 ** 4, True)):
+        monkeypatch.setattr(render_attention, "IMAGE_PIXELS", budget)
+        result = CliRunner().invoke(app, ["inspect-attention", str(trained_run), "twenty-one", "--head", "all",
+                                          "--save", str(tmp_path / "cli.png")])
+        assert result.exit_code == 0, result.output
+        assert ("token labels, which are left out; a .svg or .pdf keeps them" in result.stderr) == warned, result.stderr
+
+
 def test_an_image_is_drawn_once_laid_out_as_tight_layout_lays_it_out(setup, tmp_path, monkeypatch):
     """savefig draws a figure twice when it has a layout engine, and tight_layout leaves one: the image is
     laid out as tight_layout would lay it out, and drawn once."""

@@ -213,9 +213,11 @@ def write_figure(figure, path: Path, dpi: int) -> None:  # noqa: ANN001 - a matp
     """Lay out a matplotlib figure as ``tight_layout`` lays it out and save it as ``replacing`` writes:
     whole or not at all, a full disk one ``CheckpointError``. The format is the name's extension (.png,
     .svg, .pdf). The layout is computed here, once: ``figure.tight_layout()`` would leave the figure a
-    placeholder layout engine, for which savefig lays it out, drawing it whole, a second time."""
+    placeholder layout engine, for which savefig lays it out, drawing it whole, a second time. It is laid
+    out at ``dpi``: its own (100 by default) would size the layout's canvas, 1.2 GB for a 30 M-pixel image."""
     from matplotlib.layout_engine import TightLayoutEngine
 
+    figure.set_dpi(dpi)
     TightLayoutEngine().execute(figure)
     path.parent.mkdir(parents=True, exist_ok=True)
     with replacing(path) as tmp:

@@ -8,6 +8,7 @@ Maps wider than the console show a window of keys, and say so.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from rich.console import Console, Group
@@ -20,6 +21,11 @@ from tformer_cli.introspect import AttentionMap
 RAMP = [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)]
 SHADES = " ░▒▓█"
 LABEL_WIDTH, LABEL_HEIGHT, MAX_ROWS = 12, 8, 64
+# A .png of maps is drawn at IMAGE_DPI unless it would hold more than IMAGE_PIXELS: at 150 dpi base's 48
+# maps of a 30-token sentence took 106 M pixels (PIL warns of a "decompression bomb" past 89 M), and the
+# 6 layers of a 250-token one 690 M, 7 GB of memory and a minute to draw. Larger grids get fewer dots
+# an inch; below READABLE_DPI their 8-point labels are under 7 pixels tall.
+IMAGE_DPI, IMAGE_PIXELS, READABLE_DPI = 150, 40_000_000, 64
 
 
 def _colour(level: float) -> str:
@@ -106,8 +112,10 @@ def print_maps(maps: list[AttentionMap], console: Console, values: bool = False)
         console.print()
 
 
-def save_image(maps: list[AttentionMap], path: Path) -> None:
-    """A grid of maps (layers down, heads across) with token labels; format from the extension."""
+def save_image(maps: list[AttentionMap], path: Path) -> float:
+    """A grid of maps (layers down, heads across) with token labels; format from the extension.
+    Returns the dots an inch it was drawn at (``image_dpi``): below READABLE_DPI the labels are left out,
+    which would take most of the drawing's time and could not be read."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,18 +128,32 @@ def save_image(maps: list[AttentionMap], path: Path) -> None:
     cell = 0.28
     fig_w = max(4.0, n_cols * (len(first.columns) * cell + 1.5))
     fig_h = max(3.0, n_rows * (len(first.rows) * cell + 1.5))
+    dpi = image_dpi(fig_w, fig_h, path)
     fig, axes = plt.subplots(n_rows, n_cols, figsize=(fig_w, fig_h), squeeze=False)
     for amap in maps:
         ax = axes[layers.index(amap.layer)][heads.index(amap.head)]
         # interpolation none: a cell is a flat square, and .svg/.pdf hold the weights, not a resampled picture
         image = ax.imshow(amap.weights.numpy(), cmap="viridis", vmin=0.0, aspect="auto", interpolation="none")
-        # tokens are text: parse_math off, or a $ pair would be typeset as mathematics (or fail to)
-        ax.set_xticks(range(len(amap.columns)), amap.columns, rotation=90, fontsize=8, parse_math=False)
-        ax.set_yticks(range(len(amap.rows)), amap.rows, fontsize=8, parse_math=False)
+        if dpi >= READABLE_DPI:  # tokens are text: parse_math off, or a $ pair would be typeset as mathematics
+            ax.set_xticks(range(len(amap.columns)), amap.columns, rotation=90, fontsize=8, parse_math=False)
+            ax.set_yticks(range(len(amap.rows)), amap.rows, fontsize=8, parse_math=False)
+        else:
+            ax.set_xticks([])
+            ax.set_yticks([])
         ax.set_title(amap.title, fontsize=9, parse_math=False)
         colorbar = fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
         # drawn as vectors: a rasterized bar makes .svg and .pdf render the whole figure as pixels once per
         # bar (66 s instead of 11 s for base's 48 maps of a 30-token sentence)
         colorbar.solids.set_rasterized(False)
-    write_figure(fig, path, dpi=150)  # laid out there
+    write_figure(fig, path, dpi=dpi)  # laid out there
     plt.close(fig)
+    return dpi
+
+
+def image_dpi(width: float, height: float, path: Path) -> float:
+    """The dots an inch to draw a ``width`` x ``height``-inch figure at: IMAGE_DPI, or for a .png as many
+    as keep it within IMAGE_PIXELS (a .svg or .pdf holds the labels as text, and each map's weights as
+    they are, at any size)."""
+    if path.suffix.lower() != ".png":
+        return IMAGE_DPI
+    return min(IMAGE_DPI, math.sqrt(IMAGE_PIXELS / (width * height)))
