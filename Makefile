@@ -18,8 +18,8 @@ help: ## List the targets
 	@grep -hE '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}'
 
 # The torch asked for, kept in the venv: asking for another (TORCH, TORCH_INDEX) reinstalls torch, which
-# pip would otherwise leave as it is (the CPU wheel's 2.13.0+cpu already meets torch==2.13.0). A venv
-# from before this record gets one dated 1970, which reinstalls nothing.
+# pip would otherwise leave as it is (the CPU wheel's 2.13.0+cpu already meets torch==2.13.0). The first
+# record is dated 1970, so that a venv made before records were kept reinstalls nothing.
 $(TORCH_STAMP): FORCE
 	@mkdir -p $(VENV)
 	@if [ ! -f $@ ]; then echo '$(TORCH_ARGS)' > $@ && touch -t 197001010000 $@; \
