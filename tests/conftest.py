@@ -26,6 +26,15 @@ def _cache(tmp_path_factory):
     shutil.rmtree(HF_DATASETS_CACHE, ignore_errors=True)
 
 
+def readme_blocks(language: str) -> list[str]:
+    """The README's fenced code blocks in ``language`` (bash, console, python), as text."""
+    import re
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    return re.findall(rf"```{language}\n(.*?)```", readme.read_text(), re.S)
+
+
 def write_config(path, **sections):
     """A tiny training config on the bundled demo data, with section overrides: write_config(p, train={...})."""
     import yaml

@@ -6,6 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
+from conftest import readme_blocks
 from tformer_cli.config import SECTIONS
 from tformer_cli.runtime import step_checkpoints
 
@@ -48,15 +49,11 @@ def test_every_setting_the_documents_write_loads_as_written():
         load_config(ROOT / "configs" / "demo.yaml", [f"{key}={value}"])  # raises ConfigError, naming it
 
 
-def _blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-
-
 def _readme_commands() -> list[str]:
     """The `tformer` commands of the README's bash blocks that run on a finished run or need none
     (training and installing are left to the demo, CI and the tests of train)."""
     commands = []
-    for block in _blocks("bash"):
+    for block in readme_blocks("bash"):
         for line in block.replace("\\\n", " ").splitlines():
             command = line.split("  #")[0].strip()
             if command.startswith("tformer ") and not command.startswith("tformer train"):
@@ -90,7 +87,7 @@ def test_the_readme_shows_what_a_config_mistake_prints(tmp_path, monkeypatch):
 
     from tformer_cli.cli import app
 
-    (console,) = [block for block in _blocks("console") if "bad.yaml" in block]
+    (console,) = [block for block in readme_blocks("console") if "bad.yaml" in block]
     command, *expected = console.strip().splitlines()
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.yaml").write_text("model:\n  num_head: 8\ntrain:\n  schedule: cosin\n")

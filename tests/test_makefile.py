@@ -1,11 +1,12 @@
 """The Makefile's targets as a user runs them: `make install` (with the README's lines) and `make clean`,
 each in a folder of its own, with a stand-in Python where a real one would install packages."""
 
-import re
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
+
+from conftest import readme_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,8 +39,8 @@ def test_the_readme_install_lines_give_pip_a_requirement_and_options_and_a_new_t
     """`make install TORCH="torch==2.13.0 --index-url URL"` (the README's line until 2026-12-01) passed pip
     one requirement with spaces in it, which pip refuses; and a venv made with one build of torch kept it
     when asked for another, since 2.13.0+cpu meets torch==2.13.0."""
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    lines = [line.split("  #")[0] for block in blocks for line in block.splitlines() if line.startswith("make install")]
+    lines = [line.split("  #")[0] for block in readme_blocks("bash") for line in block.splitlines()
+             if line.startswith("make install")]
     assert len(lines) == 2  # the default build and another
     for n, line in enumerate(lines):
         settings, folder = shlex.split(line)[2:], tmp_path / str(n)
