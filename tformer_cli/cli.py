@@ -149,7 +149,7 @@ def inspect_attention(
     from tformer_cli.devices import resolve_device
     from tformer_cli.introspect import capture_attention, maps_to_json, select_maps
     from tformer_cli.render import console, print_json, warn
-    from tformer_cli.render_attention import IMAGE_PIXELS, READABLE_DPI, print_maps, save_image
+    from tformer_cli.render_attention import print_maps, save_image, unlabelled_warning
     from tformer_cli.runtime import load_run
 
     check_image_name("--save", save)
@@ -161,10 +161,10 @@ def inspect_attention(
     unknown = loaded.vocab.unknown_target_characters(target) if target and kind != "encoder" else ""
     if unknown:
         warn(f"--target: the run's target vocabulary has no token for {unknown!r}; the maps show <unk> there")
-    if save is not None and save_image(maps, save) < READABLE_DPI:
-        warn(f"--save {save}: {len(maps)} maps of {len(maps[0].columns)} tokens are drawn small, to keep the image "
-             f"within {IMAGE_PIXELS // 1_000_000} M pixels, too small for their token labels, which are left out; a .svg "
-             "or .pdf keeps them (or draw fewer maps: --layer N, --head N)")
+    if save is not None:
+        unlabelled = unlabelled_warning(maps, save, save_image(maps, save))
+        if unlabelled:
+            warn(unlabelled)
     if json_output:
         print_json(maps_to_json(capture, kind, maps))
         return

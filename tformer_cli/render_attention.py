@@ -134,7 +134,7 @@ def save_image(maps: list[AttentionMap], path: Path) -> float:
         ax = axes[layers.index(amap.layer)][heads.index(amap.head)]
         # interpolation none: a cell is a flat square, and .svg/.pdf hold the weights, not a resampled picture
         image = ax.imshow(amap.weights.numpy(), cmap="viridis", vmin=0.0, aspect="auto", interpolation="none")
-        if dpi >= READABLE_DPI:  # tokens are text: parse_math off, or a $ pair would be typeset as mathematics
+        if labelled(dpi):  # tokens are text: parse_math off, or a $ pair would be typeset as mathematics
             ax.set_xticks(range(len(amap.columns)), amap.columns, rotation=90, fontsize=8, parse_math=False)
             ax.set_yticks(range(len(amap.rows)), amap.rows, fontsize=8, parse_math=False)
         else:
@@ -148,6 +148,20 @@ def save_image(maps: list[AttentionMap], path: Path) -> float:
     write_figure(fig, path, dpi=dpi)  # laid out there
     plt.close(fig)
     return dpi
+
+
+def labelled(dpi: float) -> bool:
+    """Whether maps drawn at ``dpi`` get their token labels (READABLE_DPI)."""
+    return dpi >= READABLE_DPI
+
+
+def unlabelled_warning(maps: list[AttentionMap], path: Path, dpi: float) -> str | None:
+    """What to tell of an image ``save_image`` drew at ``dpi`` without its labels, or None."""
+    if labelled(dpi):
+        return None
+    return (f"--save {path}: {len(maps)} maps of {len(maps[0].columns)} tokens are drawn small, to keep the image "
+            f"within {IMAGE_PIXELS // 1_000_000} M pixels, too small for their token labels, which are left out; a "
+            ".svg or .pdf keeps them (or draw fewer maps: --layer N, --head N)")
 
 
 def image_dpi(width: float, height: float, path: Path) -> float:
