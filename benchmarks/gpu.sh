@@ -31,9 +31,9 @@
 #         device call lasts at most 10 minutes, and 10 minutes of training with the start-up does not fit
 #
 # The next lease (15 minutes of device time, each call at most 10; issue 34's open targets first).
-# The code runs under the image's torch 2.11 (checked on a CPU on 2026-12-01, torch 2.11.0+cu130 with
-# compat/ on PYTHONPATH: the suite passes but for two tests of several machines' launcher, whose 2.11
-# logs otherwise, and test_parallel.py's slow tests pass).
+# The code runs under the image's torch 2.11 (checked on a CPU on 2026-12-01: torch 2.11.0+cu130 with
+# compat/ on PYTHONPATH passes the suite, test_parallel.py's slow tests included, but for two tests of
+# the launcher on several machines, whose logs 2.11 words differently).
 # Both are git-ignored, so a new checkout has neither: make .whl with `bash benchmarks/gpu_wheels.sh`
 # (2 s), and without .compile-cache the first call compiles cold. Carry .whl and .compile-cache
 # (once it exists); each call begins: python3 -m pip install -q --no-index --no-deps
