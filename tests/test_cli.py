@@ -135,6 +135,16 @@ def test_train_json_summary_and_resume_refusal(run_dir, tmp_path):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["step"] == 31 and summary["stop_reason"] == "reached train.max_steps 31"
+    # what the closing table shows, and how it trained, as the run's own files have it
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    validations = [r for r in records if r["split"] == "validation"]
+    assert summary["last_eval"]["loss"] == validations[-1]["loss"] and summary["last_eval"]["step"] == 31
+    assert summary["best_step"] == [r["step"] for r in validations if r["best"]][-1]
+    assert summary["target_tokens"] > 0 and summary["epoch"] >= 0
+    assert summary["tokens_per_s"] == pytest.approx(summary["target_tokens"] / summary["elapsed"])
+    weights = load_file(str(run_dir / "model.safetensors"))
+    assert summary["parameters"] == sum(w.numel() for w in weights.values())
+    assert (summary["device"], summary["processes"], summary["precision"], summary["compiled"]) == ("cpu", 1, "fp32", False)
     again = runner.invoke(app, ["train", str(run_dir / "config.yaml"), "--output-dir", str(run_dir)])
     assert again.exit_code == 1 and "already holds a run" in again.output
 

@@ -99,6 +99,26 @@ def test_ddp_runs_resume_on_another_number_of_processes_and_stop_together_at_a_t
     assert resumed["stop_reason"] == f"reached train.max_time {limit:g} s" and resumed["step"] > 4
 
 
+@pytest.mark.slow  # each process compiles, both on the 2 cores at once: ~50 s an engine
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_two_processes_train_compiled_as_they_train_eager(tmp_path, config, engine):
+    """train.compile (auto: a GPU's default) under torchrun, several processes as on eight GPUs: the
+    engine's gradient hooks around each process's compiled encoder and decoder give the eager run's
+    weights and losses (within compiled fp32's rounding)."""
+    runs = {}
+    for compiled in (False, True):
+        runs[compiled] = tmp_path / f"compiled-{compiled}"
+        trained = _torchrun_ok(2, "train", str(config), "--output-dir", str(runs[compiled]), "--quiet", "--json",
+                               "--set", f"train.parallel={engine}", "--set", f"train.compile={str(compiled).lower()}")
+        summary = json.loads(trained.stdout)
+        assert (summary["processes"], summary["compiled"]) == (2, compiled)
+    for checkpoint in step_checkpoints(runs[False]):
+        _assert_same_weights(runs[False], runs[True], f"checkpoints/{checkpoint.name}", rtol=1e-4, atol=1e-5)
+    a, b = _records(runs[False]), _records(runs[True])
+    assert [(r["split"], r["step"]) for r in a] == [(r["split"], r["step"]) for r in b]
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-4)
+
+
 @pytest.mark.slow
 def test_with_step_tokens_one_config_trains_the_same_on_one_process_or_two(tmp_path):
     """train.step_tokens: the same config, unchanged, takes the same steps on one process (one batch a

@@ -103,8 +103,7 @@ def train(
         progress.close()
         parallel.leave()
     if json_output and workers.main:
-        print_json({"run_dir": str(run_dir), "stop_reason": result.stop_reason, "step": result.state.step,
-                    "elapsed": result.state.elapsed, "last_eval": result.last_eval})
+        print_json(result.summary())
     if result.signal is not None:
         _stopped_by_signal(result.signal, run_dir, workers.main)
 

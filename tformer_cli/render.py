@@ -101,7 +101,6 @@ class TrainProgress:
         self.quiet = quiet
         self.progress = None
         self.task = None
-        self.start_info: dict[str, Any] = {}
 
     def __call__(self, event: str, data: dict[str, Any]) -> None:
         if self.quiet and event != "warning":  # quiet: no progress, but a warning is not progress
@@ -118,7 +117,6 @@ class TrainProgress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         from rich.table import Column
 
-        self.start_info = data
         resumed = f", resumed at step {data['resumed_at']:,}" if data["resumed_at"] else ""
         dropped = data["dropped_long"] + data["dropped_empty"]
         device = f"{data['device']} ({data['processes']} processes)" if data["processes"] > 1 else data["device"]

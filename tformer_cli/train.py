@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,20 @@ class TrainResult:
     stop_reason: str
     last_eval: dict[str, Any] | None
     signal: int | None = None  # the signal that stopped training, if one did (here, or in another process)
+    start: dict[str, Any] = field(default_factory=dict)  # what the run announced at its start (``plan_run``)
+
+    def summary(self) -> dict[str, Any]:
+        """The run as ``train --json`` prints it: what the closing table shows (steps, epochs, target
+        tokens and their rate over all sessions, the best step, the last validation) and how it trained."""
+        state = self.state
+        how = {key: self.start[key] for key in SUMMARY_SETTINGS if key in self.start}
+        return {"run_dir": str(self.run_dir), "stop_reason": self.stop_reason, "step": state.step,
+                "epoch": state.epoch, "target_tokens": state.target_tokens, "elapsed": state.elapsed,
+                "tokens_per_s": state.target_tokens / state.elapsed if state.elapsed else None,
+                "best_step": state.best_step, "last_eval": self.last_eval, **how}
+
+
+SUMMARY_SETTINGS = ("device", "processes", "precision", "compiled", "parameters")  # of TrainResult.start
 
 
 def train(config: Config, run_dir: Path, resume: bool = False, callback: Callback | None = None,
@@ -69,7 +83,7 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
     stop_reason, last_eval, stopped_by = _loop(setup, plan, signals, notify)
     setup.log.close()
     notify("end", {"state": asdict(setup.state), "stop_reason": stop_reason, "last_eval": last_eval})
-    return TrainResult(run_dir, setup.state, stop_reason, last_eval, signals.received or stopped_by)
+    return TrainResult(run_dir, setup.state, stop_reason, last_eval, signals.received or stopped_by, plan.start)
 
 
 def _loop(setup: Setup, plan: Plan, signals: StopSignals, notify: Callback) -> tuple[str, dict | None, int | None]:

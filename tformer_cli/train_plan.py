@@ -22,13 +22,15 @@ from tformer_cli.run_setup import Callback, Setup, TrainState
 class Plan:
     """What the loop walks: this epoch's split and its batches (ids of pairs), ``accumulation`` of which
     make a process's share of an optimizer step; the steps the run's limits come to (None: a time limit
-    alone); the precision's autocast; and what a target token costs (``_model_flops``)."""
+    alone); the precision's autocast; what a target token costs (``_model_flops``); and what was
+    announced as ``start`` (device, processes, precision, compiled, parameters, data)."""
     data: EncodedSplit
     batches: list[list[int]]
     accumulation: int
     total_steps: int | None
     amp: Any
     flops: dict[str, float | None]
+    start: dict[str, Any]
 
 
 def plan_run(setup: Setup, notify: Callback) -> Plan:
@@ -48,11 +50,12 @@ def plan_run(setup: Setup, notify: Callback) -> Plan:
         raise UsageError(no_step(cfg, len(data), workers.size, accumulation))
     steps_per_epoch = math.ceil(len(first_epoch) / accumulation)
     total_steps = _total_steps(cfg, steps_per_epoch)
-    notify("start", _start_info(setup, steps_per_epoch, accumulation, total_steps))
+    start = _start_info(setup, steps_per_epoch, accumulation, total_steps)
+    notify("start", start)
     if rise := _cosine_restarted(setup, total_steps):
         notify("warning", {"message": rise})
     flops = _model_flops(setup, data, None if slow else matmul_peak(device, setup.precision))
-    return Plan(data, batches, accumulation, total_steps, autocast(device, setup.precision), flops)
+    return Plan(data, batches, accumulation, total_steps, autocast(device, setup.precision), flops, start)
 
 
 def _resume_in_batches_of_now(state: TrainState, cfg: TrainConfig, processes: int, accumulation: int) -> None:
