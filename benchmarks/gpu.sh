@@ -48,7 +48,7 @@
 #   3. a later lease: gpu.sh attention; --compile-attention explicit; PAPER_WORKLOADS=train SIZES=base
 #      PAPER_PEERS=torch,tformer-compile,tformer-compile-pack gpu.sh paper-train (if packing pays:
 #      train.pack_length: 128 in base.yaml and big.yaml); MINUTES=10 TRAIN_SET=... gpu.sh train-start,
-#      then train-wait; SIZES=big paper-train and paper-decode
+#      then train-wait twice (a lease of its own: ~12 minutes of the 15); SIZES=big paper-train and paper-decode
 #
 # Results go to $RESULTS (default gpu-results/): a log per step, JSON where the step writes some
 # (written after every workload and size, so a step cut off by a time limit keeps what it finished).
@@ -219,19 +219,33 @@ print(f"{steps[-1]['step']:,} steps in {steps[-1]['elapsed']:,.0f} s, of which {
 EOF
 }
 
+# A device call's $OUT is emptied before the next call, so the detached run keeps its folder, log and
+# pid in $TRAIN_RESULTS (default /tmp/tformer-train, on the machine), and train-wait copies its log and
+# metrics.jsonl into $RESULTS. A call lasts at most 10 minutes and the machine goes back 30 s after one
+# ends: train-wait waits $WAIT_SECONDS (default 570) at most, and a run still going then needs another
+# train-wait within those 30 s (10 minutes of training and the start-up take two).
+TRAIN_RESULTS=${TRAIN_RESULTS:-/tmp/tformer-train}
 train-start() {  # a new session: the device keeps it running when this call returns
     # the detached run packs no cache (this call's $OUT is gone by then): train-wait does
-    RESULTS=$RESULTS MINUTES=$MINUTES MULTI30K=$MULTI30K PYTHON=$PYTHON TRAIN_SET=${TRAIN_SET:-} COMPILE_CACHE_SAVE= \
-        setsid nohup bash "$SELF" train > /dev/null 2>&1 < /dev/null &
-    echo $! > "$RESULTS/train.pid"
-    echo "training for $MINUTES minutes in the background (pid $!, log $RESULTS/train.log);" \
+    rm -rf "$TRAIN_RESULTS" && mkdir -p "$TRAIN_RESULTS"
+    RESULTS=$TRAIN_RESULTS MINUTES=$MINUTES MULTI30K=$MULTI30K PYTHON=$PYTHON TRAIN_SET=${TRAIN_SET:-} \
+        COMPILE_CACHE_SAVE= setsid nohup bash "$SELF" train > /dev/null 2>&1 < /dev/null &
+    echo $! > "$TRAIN_RESULTS/train.pid"
+    echo "training for $MINUTES minutes in the background (pid $!, log $TRAIN_RESULTS/train.log);" \
         "gpu.sh train-wait waits for it"
 }
 train-wait() {
-    local pid
-    pid=$(cat "$RESULTS/train.pid")
-    while kill -0 "$pid" 2> /dev/null; do sleep 5; done
-    cat "$RESULTS/train.log"
+    local pid waited=0
+    pid=$(cat "$TRAIN_RESULTS/train.pid")
+    while kill -0 "$pid" 2> /dev/null && (( waited < ${WAIT_SECONDS:-570} )); do sleep 5; waited=$((waited + 5)); done
+    cp "$TRAIN_RESULTS/train.log" "$RESULTS/"
+    cp "$TRAIN_RESULTS/base-run/metrics.jsonl" "$RESULTS/" 2> /dev/null || true  # none before its first figures
+    if kill -0 "$pid" 2> /dev/null; then
+        tail -n 5 "$TRAIN_RESULTS/train.log"
+        echo "still training after this wait's $waited s: gpu.sh train-wait again, within 30 s (or the machine goes back)"
+    else
+        cat "$TRAIN_RESULTS/train.log"
+    fi
 }
 
 for step in "${@:-tests syncs profile suite paper train}"; do
