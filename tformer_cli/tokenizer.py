@@ -171,8 +171,8 @@ def _read(path: Path) -> Tokenizer:
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises its own error for any file it cannot parse
-        raise CheckpointError(f"{path}: unreadable tokenizer ({first_line(exc)}); restore it from the run's "
-                              "backup or train the run again") from None
+        raise CheckpointError(f"{path}: unreadable tokenizer ({first_line(exc)}); restore it from a copy "
+                              "of the run, or train the run again") from None
     if any(tokenizer.token_to_id(token) != i for i, token in enumerate(SPECIALS)):
         raise CheckpointError(f"{path}: not a tformer tokenizer (its special tokens differ); restore the run's "
                               "own tokenizer file")
