@@ -237,16 +237,15 @@ train-start() {  # a new session: the device keeps it running when this call ret
         "gpu.sh train-wait waits for it"
 }
 train-wait() {
-    local pid waited=0
+    local pid waited=0 log=$TRAIN_RESULTS/train.log
     pid=$(cat "$TRAIN_RESULTS/train.pid")
-    while kill -0 "$pid" 2> /dev/null && (( waited < ${WAIT_SECONDS:-570} )); do sleep 5; waited=$((waited + 5)); done
-    cp "$TRAIN_RESULTS/train.log" "$RESULTS/"
-    cp "$TRAIN_RESULTS/base-run/metrics.jsonl" "$RESULTS/" 2> /dev/null || true  # none before its first figures
+    while kill -0 "$pid" 2> /dev/null && (( waited < ${WAIT_SECONDS:-570} )); do sleep 1; waited=$((waited + 1)); done
+    cp "$log" "$TRAIN_RESULTS/base-run/metrics.jsonl" "$RESULTS/" 2> /dev/null || true  # what the run has written
     if kill -0 "$pid" 2> /dev/null; then
-        tail -n 5 "$TRAIN_RESULTS/train.log"
+        tail -n 5 "$log" 2> /dev/null || true
         echo "still training after this wait's $waited s: gpu.sh train-wait again, within 30 s (or the machine goes back)"
     else
-        cat "$TRAIN_RESULTS/train.log"
+        cat "$log"
     fi
 }
 

@@ -368,3 +368,41 @@ def test_decoding_warms_up_on_the_shortest_and_longest_batches_and_times_whole_p
     assert len(lengths) > 2
     run.run_speed("greedy", "small", torch.device("cpu"), [], repeats=2, warmup=1, peak=1.0)
     assert decoded == [lengths[0], lengths[-1]] + lengths * 2
+
+
+GPU_SH = Path(__file__).parents[1] / "benchmarks" / "gpu.sh"
+STAND_IN_PYTHON = """#!/usr/bin/env bash
+# gpu.sh's train step as a stand-in: tformer train writes two figures, 1 s apart; the summary reads them
+if [[ $1 == -m ]]; then
+    while [[ $1 != --output-dir ]]; do shift; done
+    mkdir -p "$2"
+    for step in 1 2; do echo "{\\"split\\": \\"train\\", \\"step\\": $step}" >> "$2/metrics.jsonl"; sleep 1; done
+else
+    cat > /dev/null; echo "median tokens_per_s: 1 (stand-in)"
+fi
+"""
+
+
+def test_the_detached_gpu_run_outlives_the_calls_whose_out_folders_are_emptied(tmp_path):
+    """gpu.sh train-start, then train-wait in later device calls, each with an $OUT of its own (the device
+    empties it before a call): the run, its pid and its log stay in $TRAIN_RESULTS; a wait cut short
+    brings back what the run has written so far and says to wait again; the last brings back the summary."""
+    python = tmp_path / "python"
+    python.write_text(STAND_IN_PYTHON)
+    python.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(python), "TRAIN_RESULTS": str(tmp_path / "run"),
+           "COMPILE_CACHE_DIR": str(tmp_path / "cache"), "COMPILE_CACHE": str(tmp_path / "none")}
+
+    def call(step: str, out: str, **more: str) -> subprocess.CompletedProcess:
+        result = subprocess.run(["bash", str(GPU_SH), step], capture_output=True, text=True, timeout=60,
+                                env={**env, "RESULTS": str(tmp_path / out / "r"), **more})
+        assert result.returncode == 0, result.stderr
+        return result
+
+    call("train-start", "out1")
+    cut_short = call("train-wait", "out2", WAIT_SECONDS="1")
+    assert "train-wait again" in cut_short.stdout
+    assert (tmp_path / "out2" / "r" / "train.log").is_file()
+    finished = call("train-wait", "out3")
+    assert "median tokens_per_s: 1 (stand-in)" in finished.stdout and "again" not in finished.stdout
+    assert len((tmp_path / "out3" / "r" / "metrics.jsonl").read_text().splitlines()) == 2
