@@ -47,9 +47,10 @@
 #   2. decoding (~3 min), then what time is left: SIZES=base gpu.sh paper-decode tests
 #   3. a later lease: gpu.sh attention; --compile-attention explicit; PAPER_WORKLOADS=train SIZES=base
 #      PAPER_PEERS=torch,tformer-compile,tformer-compile-pack gpu.sh paper-train (if packing pays:
-#      train.pack_length: 128 in base.yaml and big.yaml); MINUTES=10 TRAIN_SET=... gpu.sh train-start,
-#      then train-wait twice (a lease of its own: ~12 minutes of the 15; the data does not travel from
-#      ../shared: cp -r ../shared/data/multi30k .multi30k (9 MB, git-ignored), carry it, MULTI30K=.multi30k);
+#      train.pack_length: 128 in base.yaml and big.yaml); the real run, a lease of its own (~12 of its 15
+#      minutes), in two calls, the second within 30 s of the first's end: MINUTES=10 TRAIN_SET=...
+#      gpu.sh train-start train-wait (timeout_s 600), then gpu.sh train-wait; its data does not travel from
+#      ../shared: cp -r ../shared/data/multi30k .multi30k (9 MB, git-ignored), carry it, MULTI30K=.multi30k;
 #      SIZES=big paper-train and paper-decode
 #
 # Results go to $RESULTS (default gpu-results/): a log per step, JSON where the step writes some
