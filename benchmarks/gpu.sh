@@ -34,8 +34,8 @@
 # The code runs under the image's torch 2.11 (checked on a CPU on 2026-12-01: torch 2.11.0+cu130 with
 # compat/ on PYTHONPATH passes the suite, test_parallel.py's slow tests included, but for two tests of
 # the launcher on several machines, whose logs 2.11 words differently).
-# Both are git-ignored, so a new checkout has neither: make .whl with `bash benchmarks/gpu_wheels.sh`
-# (2 s), and without .compile-cache the first call compiles cold. Carry .whl and .compile-cache
+# .whl and .compile-cache are git-ignored, so a new checkout has neither: make .whl with
+# `bash benchmarks/gpu_wheels.sh` (2 s), and without .compile-cache the first call compiles cold. Carry .whl and .compile-cache
 # (once it exists); each call begins: python3 -m pip install -q --no-index --no-deps
 # --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site RESULTS=$OUT/r
 # COMPILE_CACHE_SAVE=$OUT, and after it the returned inductor.tgz.* replace .compile-cache's. Each
