@@ -35,8 +35,8 @@
 # compat/ on PYTHONPATH passes the suite, test_parallel.py's slow tests included, but for two tests of
 # the launcher on several machines, whose logs 2.11 words differently).
 # .whl and .compile-cache are git-ignored, so a new checkout has neither: make .whl with
-# `bash benchmarks/gpu_wheels.sh` (2 s), and without .compile-cache the first call compiles cold. Carry .whl and .compile-cache
-# (once it exists); each call begins: python3 -m pip install -q --no-index --no-deps
+# `bash benchmarks/gpu_wheels.sh` (2 s), and without .compile-cache the first call compiles cold.
+# Carry .whl and .compile-cache (once it exists); each call begins: python3 -m pip install -q --no-index --no-deps
 # --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site RESULTS=$OUT/r
 # COMPILE_CACHE_SAVE=$OUT, and after it the returned inductor.tgz.* replace .compile-cache's. Each
 # variant compiled cold costs ~100 s on an H200 (the fifth lease's one graph: 97.6 s), so a call holds
