@@ -64,10 +64,13 @@ def config(tmp_path):
 
 def test_ddp_two_processes_train_as_one_process_accumulating_two_batches(tmp_path, config):
     one, two = tmp_path / "one", tmp_path / "two"
-    _one_process("train", str(config), "--output-dir", str(one), "--set", "train.grad_accum=2")
+    alone = CliRunner().invoke(app, ["train", str(config), "--output-dir", str(one), "--set", "train.grad_accum=2",
+                                     "--json"])
+    assert alone.exit_code == 0, alone.output
     both = _torchrun_ok(2, "train", str(config), "--output-dir", str(two), "--quiet", "--json")
     summary = json.loads(both.stdout)  # rank 0 alone prints
     assert summary["step"] == 4 and summary["stop_reason"] == "reached train.max_steps 4"
+    assert (summary["processes"], summary["target_tokens"]) == (2, json.loads(alone.stdout)["target_tokens"])
     # every step the same gradients, so the same weights, losses and validation
     assert [c.name for c in step_checkpoints(two)] == [c.name for c in step_checkpoints(one)]
     for checkpoint in step_checkpoints(one):
