@@ -239,6 +239,11 @@ train-start() {  # a new session: the device keeps it running when this call ret
 }
 train-wait() {
     local pid waited=0 log=$TRAIN_RESULTS/train.log
+    if [[ ! -f $TRAIN_RESULTS/train.pid ]]; then  # a fresh machine: the one that trained went back
+        echo "no run started by train-start on this machine ($TRAIN_RESULTS/train.pid): it went back, or none was" \
+            "started; gpu.sh train-start train-wait starts one" >&2
+        return 1
+    fi
     pid=$(cat "$TRAIN_RESULTS/train.pid")
     while kill -0 "$pid" 2> /dev/null && (( waited < ${WAIT_SECONDS:-570} )); do sleep 1; waited=$((waited + 1)); done
     cp "$log" "$TRAIN_RESULTS/base-run/metrics.jsonl" "$RESULTS/" 2> /dev/null || true  # what the run has written

@@ -406,3 +406,7 @@ def test_the_detached_gpu_run_outlives_the_calls_whose_out_folders_are_emptied(t
     finished = call("train-wait", "out3")
     assert "median tokens_per_s: 1 (stand-in)" in finished.stdout and "again" not in finished.stdout
     assert len((tmp_path / "out3" / "r" / "metrics.jsonl").read_text().splitlines()) == 2
+    # on a fresh machine (the one that trained went back) there is nothing to wait for: one line
+    fresh = subprocess.run(["bash", str(GPU_SH), "train-wait"], capture_output=True, text=True, timeout=60,
+                           env={**env, "RESULTS": str(tmp_path / "out4"), "TRAIN_RESULTS": str(tmp_path / "fresh")})
+    assert fresh.returncode == 1 and fresh.stderr.startswith("no run started by train-start on this machine")
