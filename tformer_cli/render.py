@@ -173,25 +173,25 @@ class TrainProgress:
             self.progress = None
 
     def _on_end(self, data: dict[str, Any]) -> None:
+        """The closing table, from the run's summary (``TrainResult.summary``, what --json prints)."""
         self.close()
-        state = data["state"]
         err_console.print(f"training finished: {data['stop_reason']}")  # a line of its own: a table's title folds
         table = Table(box=box.SIMPLE_HEAD)
         table.add_column("figure")
         table.add_column("value", justify="right")
-        table.add_row("steps", f"{state['step']:,}")
-        table.add_row("epochs completed", f"{state['epoch']:,}")
-        table.add_row("target tokens", f"{state['target_tokens']:,}")
-        table.add_row("time", f"{state['elapsed']:.1f} s")
-        table.add_row("target tokens / s", f"{state['target_tokens'] / max(state['elapsed'], 1e-9):,.0f}")
+        table.add_row("steps", f"{data['step']:,}")
+        table.add_row("epochs completed", f"{data['epoch']:,}")
+        table.add_row("target tokens", f"{data['target_tokens']:,}")
+        table.add_row("time", f"{data['elapsed']:.1f} s")
+        table.add_row("target tokens / s", f"{data['tokens_per_s'] or 0:,.0f}")
         last = data.get("last_eval")
         if last:
             table.add_row("validation loss / ppl", f"{last['loss']:.4f} / {last['ppl']:.2f}")
             for key in ("bleu", "chrf", "exact_match"):
                 if key in last:
                     table.add_row(f"validation {key.replace('_', ' ')}", f"{last[key]:.2f}")
-        if state.get("best_step") is not None:
-            table.add_row("best step", f"{state['best_step']:,}")
+        if data["best_step"] is not None:
+            table.add_row("best step", f"{data['best_step']:,}")
         err_console.print(table)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +42,15 @@ class TrainResult:
     state: TrainState
     stop_reason: str
     last_eval: dict[str, Any] | None
+    start: dict[str, Any]  # what the run announced at its start (``plan_run``)
     signal: int | None = None  # the signal that stopped training, if one did (here, or in another process)
-    start: dict[str, Any] = field(default_factory=dict)  # what the run announced at its start (``plan_run``)
 
     def summary(self) -> dict[str, Any]:
-        """The run as ``train --json`` prints it: what the closing table shows (steps, epochs, target
-        tokens and their rate over all sessions, the best step, the last validation) and how it trained."""
+        """The run as it ends (the ``end`` event, which the closing table shows, and ``train --json``):
+        steps, epochs, target tokens and their rate over all sessions, the best step, the last
+        validation, and how it trained."""
         state = self.state
-        how = {key: self.start[key] for key in SUMMARY_SETTINGS if key in self.start}
+        how = {key: self.start[key] for key in SUMMARY_SETTINGS}
         return {"run_dir": str(self.run_dir), "stop_reason": self.stop_reason, "step": state.step,
                 "epoch": state.epoch, "target_tokens": state.target_tokens, "elapsed": state.elapsed,
                 "tokens_per_s": state.target_tokens / state.elapsed if state.elapsed else None,
@@ -82,8 +83,9 @@ def _train(config: Config, run_dir: Path, resume: bool, callback: Callback | Non
         build_training_kernels(setup, plan.data, plan.batches)
     stop_reason, last_eval, stopped_by = _loop(setup, plan, signals, notify)
     setup.log.close()
-    notify("end", {"state": asdict(setup.state), "stop_reason": stop_reason, "last_eval": last_eval})
-    return TrainResult(run_dir, setup.state, stop_reason, last_eval, signals.received or stopped_by, plan.start)
+    result = TrainResult(run_dir, setup.state, stop_reason, last_eval, plan.start, signals.received or stopped_by)
+    notify("end", result.summary())
+    return result
 
 
 def _loop(setup: Setup, plan: Plan, signals: StopSignals, notify: Callback) -> tuple[str, dict | None, int | None]:
