@@ -393,10 +393,10 @@ def test_the_detached_gpu_run_outlives_the_calls_whose_out_folders_are_emptied(t
     env = {"PATH": "/usr/bin:/bin", "PYTHON": str(python), "TRAIN_RESULTS": str(tmp_path / "run"),
            "COMPILE_CACHE_DIR": str(tmp_path / "cache"), "COMPILE_CACHE": str(tmp_path / "none")}
 
-    def call(step: str, out: str, **more: str) -> subprocess.CompletedProcess:
+    def call(step: str, out: str, code: int = 0, **more: str) -> subprocess.CompletedProcess:
         result = subprocess.run(["bash", str(GPU_SH), step], capture_output=True, text=True, timeout=60,
                                 env={**env, "RESULTS": str(tmp_path / out / "r"), **more})
-        assert result.returncode == 0, result.stderr
+        assert result.returncode == code, result.stderr
         return result
 
     call("train-start", "out1")
@@ -407,6 +407,5 @@ def test_the_detached_gpu_run_outlives_the_calls_whose_out_folders_are_emptied(t
     assert "median tokens_per_s: 1 (stand-in)" in finished.stdout and "again" not in finished.stdout
     assert len((tmp_path / "out3" / "r" / "metrics.jsonl").read_text().splitlines()) == 2
     # on a fresh machine (the one that trained went back) there is nothing to wait for: one line
-    fresh = subprocess.run(["bash", str(GPU_SH), "train-wait"], capture_output=True, text=True, timeout=60,
-                           env={**env, "RESULTS": str(tmp_path / "out4"), "TRAIN_RESULTS": str(tmp_path / "fresh")})
-    assert fresh.returncode == 1 and fresh.stderr.startswith("no run started by train-start on this machine")
+    fresh = call("train-wait", "out4", code=1, TRAIN_RESULTS=str(tmp_path / "fresh"))
+    assert fresh.stderr.startswith("no run started by train-start on this machine")
