@@ -1,3 +1,4 @@
+import html
 import json
 import math
 import re
@@ -10,7 +11,7 @@ from typer.testing import CliRunner
 from conftest import tiny_model_config
 from tformer_cli.cli import app
 from tformer_cli.errors import UsageError
-from tformer_cli.introspect import capture_attention, maps_to_json, select_maps
+from tformer_cli.introspect import AttentionMap, capture_attention, maps_to_json, select_maps
 from tformer_cli.model import build_model
 from tformer_cli.render_attention import print_maps, save_image
 from tformer_cli.tokenizer import Vocabulary
@@ -131,6 +132,31 @@ def test_image_is_written(setup, tmp_path):
 def _png_size(path) -> tuple[int, int]:
     header = path.read_bytes()[16:24]  # the IHDR chunk: width, height
     return int.from_bytes(header[:4], "big"), int.from_bytes(header[4:], "big")
+
+
+def _svg_texts(path) -> list[str]:
+    """The texts of a matplotlib .svg, in drawing order (each glyph group follows a comment of its text)."""
+    return [html.unescape(text) for text in re.findall(r"<!-- (.*?) -->", path.read_text())]
+
+
+@pytest.mark.parametrize("same_sentence", [True, False])
+def test_maps_of_one_sentence_are_labelled_on_the_grids_edges_and_others_each_on_its_own(tmp_path, same_sentence):
+    """Small multiples: keys under each column's lowest map, queries left of each row's first map (base's 48
+    maps took twice as long to draw with every map labelled); maps of different tokens keep their own."""
+    def tokens(layer, head, side):
+        return [f"{side}{i}" + ("" if same_sentence else f"·{layer}.{head}") for i in range(3)]
+
+    maps = [AttentionMap(title=f"layer {layer} head {head}", layer=layer, head=head, rows=tokens(layer, head, "q"),
+                         columns=tokens(layer, head, "k"), weights=torch.full((3, 3), 1 / 3))
+            for layer in (1, 2) for head in (1, 2, 3)]
+    save_image(maps, tmp_path / "grid.svg")
+    texts = _svg_texts(tmp_path / "grid.svg")
+    labels = [t for t in texts if t[0] in "qk"]
+    if same_sentence:
+        assert sorted(labels) == sorted(["q0", "q1", "q2"] * 2 + ["k0", "k1", "k2"] * 3)  # a row's, a column's
+    else:
+        assert sorted(labels) == sorted(t for m in maps for t in m.rows + m.columns)
+    assert [t for t in texts if t.startswith("layer")] == [m.title for m in maps]  # every map keeps its title
 
 
 def test_a_png_of_many_or_long_maps_is_drawn_within_a_pixel_budget_and_says_when_its_labels_are_unreadable(
