@@ -315,6 +315,7 @@ def _argument_cases() -> list[Case]:
         (gen + ["seven", "--min-len", "64"], "--min-len 64: the model's 64 positions hold at most 63 output tokens"),
         (["eval", "{run}", "--min-len", "64"], "--min-len 64: the model's 64 positions hold at most 63 output tokens"),
         (gen + ["seven", "--device", "gpu"], "--device gpu: expected auto, cpu or cuda"),
+        (gen + ["seven", "--device", "cuda:1"], "--device cuda:1: give cuda, and pick the GPU with CUDA_VISIBLE_DEVICES=1"),
         (gen + ["seven", "--precision", "int4"], "use auto, fp32, bf16 or fp16"),
         (gen + [b"seven \xff".decode("utf-8", "surrogateescape")], "TEXTS: not UTF-8 text"),
         (["generate", "{tmp}/nowhere", "seven"], "no such run folder"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -23,6 +24,8 @@ def resolve_device(name: str = "auto", option: str = "--device") -> torch.device
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"{option} cuda: no CUDA device is available; use --device cpu or auto")
+    if re.fullmatch(r"cuda:\d+", name):  # torch's spelling of one GPU of several
+        raise UsageError(f"{option} {name}: give cuda, and pick the GPU with CUDA_VISIBLE_DEVICES={name[5:]}")
     if name not in ("cpu", "cuda"):
         raise UsageError(f"{option} {name}: expected auto, cpu or cuda")
     return torch.device(name)
