@@ -218,6 +218,35 @@ def test_train_compile_takes_the_steps_the_eager_loop_takes(tmp_path):
         torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # inductor compiles the step for about 15 s on 2 cores
+def test_a_compiled_run_compiles_one_graph_for_batches_of_every_shape(tmp_path, monkeypatch):
+    """The step a GPU compiles (the plain model: on a GPU the speed layer swaps in no module) is one
+    graph with symbolic sizes, so batches of new shapes never recompile it: on a GPU a recompile holds
+    training for a minute or more, and past torch's limit of 8 a function runs eagerly from then on."""
+    import torch._dynamo.utils
+
+    import tformer_cli.train as training
+
+    shapes, collate = set(), training.training_batch
+
+    def seen(*args, **kwargs):
+        batch = collate(*args, **kwargs)
+        shapes.add((tuple(batch.src.shape), tuple(batch.tgt_in.shape)))
+        return batch
+
+    monkeypatch.setattr(training, "training_batch", seen)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    path = write_config(tmp_path / "c.yaml", data={"max_samples": 2000},
+                        train={"max_steps": 24, "max_tokens": 500, "eval_every": 1000, "compile": True,
+                               "accel": "off"})
+    assert train(load_config(path), tmp_path / "run").state.step == 24
+    assert len(shapes) > 8  # more than torch's recompile limit
+    stats = torch._dynamo.utils.counters["stats"]
+    assert stats["unique_graphs"] == 1 and not torch._dynamo.utils.counters["graph_break"], dict(stats)
+    assert not torch._dynamo.utils.counters["recompiles"]
+
+
 @pytest.mark.slow  # inductor compiles the step, for the first run and again for the resumed one
 def test_a_compiled_run_resumes_as_it_would_have_gone_on(tmp_path):
     """A GPU's runs compile by default (train.compile: auto): stopped and resumed, a compiled run with
