@@ -26,13 +26,14 @@ VARIANTS = {"splitmix": (), "torch": ("dropout", "attention")}
 
 def use_variant(variant: str) -> None:
     """Have training in this process build its models with the speed layer less ``VARIANTS[variant]``:
-    every model it trains is built through ``run_setup.accelerate``."""
-    import functools
-
+    every model it trains is built through ``run_setup.accelerate``, whose own ``skip`` it adds to."""
     import tformer_cli.run_setup as run_setup
     from tformer_cli.accel import accelerate
 
-    run_setup.accelerate = functools.partial(accelerate, skip=VARIANTS[variant])
+    def accelerate_less(model, device, mode="auto", skip=(), **kwargs):  # noqa: ANN001, ANN202
+        return accelerate(model, device, mode, skip=(*skip, *VARIANTS[variant]), **kwargs)
+
+    run_setup.accelerate = accelerate_less
 
 
 def one_run(variant: str, seed: int, steps: int, folder: Path) -> dict:

@@ -219,12 +219,14 @@ def test_train_compile_takes_the_steps_the_eager_loop_takes(tmp_path):
 
 
 @pytest.mark.slow  # inductor compiles the step for about 15 s on 2 cores
-@pytest.mark.parametrize("pack_length", [None, 64], ids=["padded", "packed"])
-def test_a_compiled_run_compiles_one_graph_for_batches_of_every_shape(tmp_path, monkeypatch, pack_length):
-    """The step a GPU compiles (the plain model: on a GPU the speed layer swaps in no module) is one
-    graph with symbolic sizes, so batches of new shapes never recompile it, padded or packed into rows:
-    on a GPU a recompile holds training for a minute or more, and past torch's limit of 8 a function
-    runs eagerly from then on."""
+@pytest.mark.parametrize("pack_length, accel", [(None, "off"), (64, "off"), (None, "auto")],
+                         ids=["padded", "packed", "speed-layer"])
+def test_a_compiled_run_compiles_one_graph_for_batches_of_every_shape(tmp_path, monkeypatch, pack_length, accel):
+    """The compiled step is one graph with symbolic sizes, so batches of new shapes never recompile it,
+    padded or packed into rows: on a GPU a recompile holds training for a minute or more, and past
+    torch's limit of 8 a function runs eagerly from then on. The plain model is what a GPU compiles (the
+    speed layer swaps in no module there); on a CPU a compiled run leaves the speed layer's modules out,
+    which broke the graph into 29."""
     import torch._dynamo.utils
 
     import tformer_cli.train as training
@@ -241,7 +243,7 @@ def test_a_compiled_run_compiles_one_graph_for_batches_of_every_shape(tmp_path, 
     torch._dynamo.utils.counters.clear()
     path = write_config(tmp_path / "c.yaml", data={"max_samples": 2000},
                         train={"max_steps": 24, "max_tokens": 500, "eval_every": 1000, "compile": True,
-                               "accel": "off", "pack_length": pack_length})
+                               "accel": accel, "pack_length": pack_length})
     assert train(load_config(path), tmp_path / "run").state.step == 24
     assert len(shapes) > 8  # more than torch's recompile limit
     stats = torch._dynamo.utils.counters["stats"]

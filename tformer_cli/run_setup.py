@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tformer_cli.accel import accelerate
+from tformer_cli.accel import MODULE_PIECES, accelerate
 from tformer_cli.config import Config, DataConfig, DecodeConfig
 from tformer_cli.devices import autocast, memory_bytes, resolve_precision
 from tformer_cli.encoding import (
@@ -116,11 +116,11 @@ class Setup:
         optimizer over the parameters as distributed, and the precision with its gradient scaler."""
         cfg, device, workers = self.config.train, self.device, self.workers
         self._check_fits()
+        self.compiled = compiles(cfg.compile, device)
         self.model = self._build_model(draw=checkpoint is None)  # resumed: the weights come from the checkpoint
         if checkpoint is not None:
             load_weights(self.model, checkpoint / WEIGHTS)
         # the objective in one module, for DDP or FSDP to wrap when several processes train
-        self.compiled = compiles(cfg.compile, device)
         loss = compiled_loss() if self.compiled else label_smoothed_loss
         layers = [*self.model.encoder.layers, *self.model.decoder.layers]
         self.trainer = distribute(Seq2SeqLoss(self.model, cfg.label_smoothing, cfg.rdrop, loss), layers, workers,
@@ -167,8 +167,8 @@ class Setup:
                            f"process has {human_bytes(share)}")
 
     def _build_model(self, draw: bool = True) -> torch.nn.Module:
-        """The model on the training device, with the speed layer; its weights drawn, or with ``draw``
-        False left as allocated, for weights loaded next."""
+        """The model on the training device, with the speed layer (a compiled run's without the modules
+        it swaps in); its weights drawn, or with ``draw`` False left as allocated, for weights loaded next."""
         try:
             with nullcontext() if draw else skipping_random_init():
                 model = build_model(self.config.model, self.vocab.src_size, self.vocab.tgt_size, PAD_ID)
@@ -177,7 +177,8 @@ class Setup:
             if not out_of_memory(exc):
                 raise
             raise _too_big(self.config, self.vocab, self.device) from None
-        return accelerate(model, self.device, self.config.train.accel)  # the speed layer, unless train.accel is off
+        # the speed layer, unless train.accel is off; compiled, without the modules it would swap in
+        return accelerate(model, self.device, self.config.train.accel, skip=MODULE_PIECES if self.compiled else ())
 
     @property
     def validates_together(self) -> bool:
