@@ -45,16 +45,16 @@ from tformer_cli.errors import UsageError
 from tformer_cli.model.attention import ScaledDotProductAttention
 from tformer_cli.model.layers import PositionwiseFeedForward
 
-__all__ = ["MODES", "PIECES", "CUDA_PIECES", "MODULE_PIECES", "accelerate", "build_decoding_kernels", "build_kernels", "check_mode",
-           "tune_runtime", "widen_kernel_cache"]
+__all__ = ["MODES", "PIECES", "CUDA_PIECES", "MODULE_PIECES", "accelerate", "build_decoding_kernels", "build_kernels",
+           "check_mode", "tune_runtime", "widen_kernel_cache"]
 MODES = ("auto", "off")
 # what ``skip`` may leave out, to measure each
 PIECES = ("linear", "gemm", "dropout", "attention", "runtime", "loss", "graphs")
 CUDA_PIECES = ("loss", "graphs")  # the pieces that act on a GPU; the others act on a CPU
-# the pieces that swap CPU modules into the model, which a compiled run (train.compile) leaves out:
-# torch.compile fuses the plain model's own, and through these it made 29 graphs that recompiled for
-# each new batch shape (FastDropout's random_ breaks the graph; the products' padded rows specialise
-# it on token counts), as fast and not one graph (benchmarks/README.md, "train.compile on a CPU")
+# the pieces that swap CPU modules into the model; a compiled run (train.compile) leaves them out and
+# torch.compile fuses the plain model's own: through them it made 29 graphs that recompiled for each new
+# batch shape (FastDropout's random_ breaks the graph, the products' padded rows specialise it on token
+# counts; benchmarks/README.md, "train.compile on a CPU")
 MODULE_PIECES = ("linear", "dropout", "attention")
 ONEDNN_CACHE_CAPACITY = 4096  # a bf16 Multi30k run used ~1,700; each kernel holds ~0.5-2.5 MB
 
