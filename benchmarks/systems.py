@@ -213,9 +213,10 @@ class Tformer(System):
     library = "tformer_cli"
     supports_beam = True
     int8 = False
+    compiled = False  # trains as train.compile does: without the speed layer's modules (accel.MODULE_PIECES)
 
     def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
-        from tformer_cli.accel import accelerate
+        from tformer_cli.accel import MODULE_PIECES, accelerate
         from tformer_cli.config import ModelConfig
         from tformer_cli.evaluation import label_smoothed_loss
         from tformer_cli.model import build_model
@@ -223,7 +224,8 @@ class Tformer(System):
         self.name = "tformer int8" if self.int8 else "tformer"
         cfg = ModelConfig(d_model=size.d_model, num_heads=size.heads, num_encoder_layers=size.layers,
                           num_decoder_layers=size.layers, d_ff=size.d_ff, dropout=0.1, max_len=256)
-        self.model = accelerate(build_model(cfg, size.vocab).to(device), device, ACCEL, ACCEL_SKIP, self.int8)
+        skip = (*ACCEL_SKIP, *MODULE_PIECES) if self.compiled else ACCEL_SKIP
+        self.model = accelerate(build_model(cfg, size.vocab).to(device), device, ACCEL, skip, self.int8)
         self.optimizer = _adam(self.model.parameters(), fused)
         self.loss = label_smoothed_loss
 
@@ -259,6 +261,7 @@ class TformerCompiled(Tformer):
     under ``torch.compile``, as `tformer train` compiles it. Its decoding is tformer's, not repeated."""
 
     decodes = False
+    compiled = True
 
     def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
         super().__init__(size, device, fused)
@@ -274,6 +277,7 @@ class TformerLayersCompiled(Tformer):
     of layer, which every layer of that kind replays), the embeddings and the loss eager around them."""
 
     decodes = False
+    compiled = True
 
     def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
         super().__init__(size, device, fused)

@@ -172,6 +172,23 @@ def test_the_compiled_peer_compiles_once_for_every_shape_and_computes_what_the_e
     assert counters["aot_autograd"]["total"] == 1  # one dynamic graph: not a static one, then another
 
 
+def test_the_suites_compiled_tformer_trains_the_model_that_a_compiled_run_trains(monkeypatch):
+    """As `tformer train` with train.compile: without the speed layer's modules, which break the graph
+    on a CPU; the eager system keeps them."""
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    import systems
+    import torch
+
+    from tformer_cli.accel.dropout import FastDropout
+
+    size = systems.Size("tiny", 32, 1, 2, 64, 50)
+    for system, swapped in ((systems.Tformer, True), (systems.TformerCompiled, False),
+                            (systems.TformerLayersCompiled, False), (systems.TformerCompiledPacked, False)):
+        model = system(size, torch.device("cpu")).model
+        assert any(isinstance(m, FastDropout) for m in model.modules()) == swapped, system.__name__
+        assert any(type(m) is torch.nn.Dropout for m in model.modules()) != swapped, system.__name__
+
+
 @pytest.mark.slow  # ~20 s: the profiler's events of a decoding batch take seconds to read
 def test_the_step_profile_sorts_a_steps_time_into_kinds_on_a_cpu():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py"
