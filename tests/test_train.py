@@ -248,7 +248,7 @@ def test_a_compiled_run_compiles_one_graph_for_batches_of_every_shape(tmp_path, 
     assert len(shapes) > 8  # more than torch's recompile limit
     stats = torch._dynamo.utils.counters["stats"]
     assert stats["unique_graphs"] == 1 and not torch._dynamo.utils.counters["graph_break"], dict(stats)
-    assert not torch._dynamo.utils.counters["recompiles"]
+    assert torch._dynamo.utils.counters["frames"]["total"] == 1  # converted once: a recompile converts again
 
 
 @pytest.mark.slow  # inductor compiles the step, for the first run and again for the resumed one
