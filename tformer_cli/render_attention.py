@@ -129,9 +129,12 @@ def save_image(maps: list[AttentionMap], path: Path) -> float:
     n_rows, n_cols = len(layers), len(heads)
     first = maps[0]
     shared = all(m.rows == first.rows and m.columns == first.columns for m in maps)
-    cell, labels, margin = 0.28, 1.5, (0.8 if shared else 1.5)  # inches: a token's cell, its labels, the rest
-    fig_w = max(4.0, n_cols * (len(first.columns) * cell + margin) + (labels - margin) * shared)
-    fig_h = max(3.0, n_rows * (len(first.rows) * cell + margin) + (labels - margin) * shared)
+    cell = 0.28  # inches a token
+    # inches around each map (its title and colour bar, and its labels unless shared), and for the labels
+    # on the grid's edges
+    margin, edges = (0.8, 0.7) if shared else (1.5, 0.0)
+    fig_w = max(4.0, n_cols * (len(first.columns) * cell + margin) + edges)
+    fig_h = max(3.0, n_rows * (len(first.rows) * cell + margin) + edges)
     dpi = image_dpi(fig_w, fig_h, path)
     fig, axes = plt.subplots(n_rows, n_cols, figsize=(fig_w, fig_h), squeeze=False)
     placed = {(layers.index(m.layer), heads.index(m.head)): m for m in maps}
