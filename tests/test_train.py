@@ -261,16 +261,15 @@ def test_a_compiled_run_resumes_as_it_would_have_gone_on(tmp_path):
                                                     "compile": True})
     losses = {}
     for name, stops in (("straight", [6]), ("resumed", [3, 6])):
-        losses[name] = []
-        for stop in stops:
-            events = []
-            first = stop == stops[0]
-            config, run_dir = prepare_run(path if first else None, None if first else tmp_path / name,
-                                          [f"train.max_steps={stop}"], tmp_path / name if first else None)
-            result = train(config, run_dir, resume=not first, callback=lambda e, d: events.append((e, d)))
-            assert [d["compiled"] for e, d in events if e == "start"] == [True]
-            losses[name] += [d["loss"] for e, d in events if e == "step"]
+        events = []
+        result = train(load_config(path, [f"train.max_steps={stops[0]}"]), tmp_path / name,
+                       callback=lambda e, d: events.append((e, d)))
+        for stop in stops[1:]:
+            config, run_dir = prepare_run(None, tmp_path / name, [f"train.max_steps={stop}"], None)
+            result = train(config, run_dir, resume=True, callback=lambda e, d: events.append((e, d)))
+        assert [d["compiled"] for e, d in events if e == "start"] == [True] * len(stops)
         assert result.state.step == 6
+        losses[name] = [d["loss"] for e, d in events if e == "step"]
     torch.testing.assert_close(losses["resumed"], losses["straight"], rtol=1e-5, atol=1e-6)
     straight, resumed = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
     assert straight.keys() == resumed.keys()
