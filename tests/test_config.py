@@ -132,7 +132,8 @@ def test_all_mistakes_are_reported_together(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(bad)
     lines = str(info.value).splitlines()
-    assert f"{bad}: model.num_heads: d_model 500 is not divisible by num_heads 8" in lines
+    assert f"{bad}: model.num_heads: d_model 500 is not divisible by num_heads 8 (each head takes d_model / " \
+           "num_heads channels); use d_model 496 or 504, or num_heads 10" in lines
     assert f"{bad}: train.lr: must be > 0, got -1.0" in lines
     assert f"{bad}: model.word_dropout: must be in [0, 1), got -0.1" in lines
     assert f"{bad}: decode.length_penalty: must be in [0, 10] (0: no length normalisation; 0.6 to 1 usual), got -1.0" in lines
@@ -196,6 +197,19 @@ def test_a_huge_value_is_quoted_short(tmp_path):
     assert "--set model.d_model: expected an integer, got '999" in str(info.value)
     assert "data.'kkkkk" in str(info.value)
     assert max(len(line.replace(str(bomb), "")) for line in str(info.value).splitlines()) < 200
+
+def test_a_check_of_two_keys_names_the_one_the_command_line_set():
+    """d_model and num_heads are checked together; the mistake is that of the one the user set."""
+    for sets, line in ((["model.d_model=130"], "--set model.d_model: d_model 130 is not divisible by num_heads 4"),
+                       (["model.num_heads=3"], "--set model.num_heads: d_model 128 is not divisible by num_heads 3"),
+                       (["model.d_model=130", "model.num_heads=3"], "--set model.num_heads: d_model 130 is not "
+                                                                    "divisible by num_heads 3")):
+        with pytest.raises(ConfigError) as info:
+            load_config("configs/demo.yaml", sets)
+        assert str(info.value).startswith(line + " (each head takes d_model / num_heads channels); use d_model ")
+    with pytest.raises(ConfigError, match=r"use d_model 2305843009213000000 or 2305843009214000000$"):
+        load_config(None, ["model.d_model=2305843009213693951", "model.num_heads=1000000"])  # a prime: no num_heads
+
 
 def test_bad_config_through_the_cli_is_one_line_per_mistake_and_exit_1(tmp_path):
     bad = tmp_path / "x.yaml"

@@ -284,6 +284,14 @@ def validate(config: Config) -> list[str]:
 Need = Callable[[bool, str, str], None]  # need(ok, key, message) records the message unless ok
 
 
+def _heads_near(heads: int, d_model: int, tries: int = 64) -> int | None:
+    """The head count nearest ``heads`` that divides ``d_model`` (the larger of two as near), if one is
+    within ``tries`` of it."""
+    heads = min(heads, d_model)
+    near = (h for step in range(tries) for h in (heads + step, heads - step) if 0 < h <= d_model)
+    return next((h for h in near if d_model % h == 0), None)
+
+
 def _validate_model(m: ModelConfig, need: Need) -> None:
     for key in ("d_model", "num_heads", "d_ff", "max_len"):  # d_ff, 4 * d_model by default, follows d_model's error
         need(getattr(m, key) > 0 or (key == "d_ff" and m.d_model <= 0), f"model.{key}",
@@ -291,8 +299,13 @@ def _validate_model(m: ModelConfig, need: Need) -> None:
     for key in ("num_encoder_layers", "num_decoder_layers"):
         need(getattr(m, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(m, key)}")
     if m.d_model > 0 and m.num_heads > 0:
-        need(m.d_model % m.num_heads == 0, "model.num_heads",
-             f"d_model {m.d_model} is not divisible by num_heads {m.num_heads}")
+        if m.d_model % m.num_heads:
+            below = m.d_model - m.d_model % m.num_heads  # the widths nearest d_model that the heads divide
+            widths = f"{below} or {below + m.num_heads}" if below else f"{m.num_heads}"
+            heads = _heads_near(m.num_heads, m.d_model)
+            need(False, "model.num_heads", f"d_model {m.d_model} is not divisible by num_heads {m.num_heads} (each "
+                 f"head takes d_model / num_heads channels); use d_model {widths}"
+                 + (f", or num_heads {heads}" if heads else ""))
         if m.positional == "rope" and m.d_model % m.num_heads == 0:
             need((m.d_model // m.num_heads) % 2 == 0, "model.positional",
                  f"rope needs an even head size, got d_model/num_heads = {m.d_model // m.num_heads}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -119,9 +120,19 @@ def origin(error: str, overridden: set[str], source: str, flags: dict[str, str])
     if error.startswith("--set "):
         return error
     key, _, problem = error.partition(": ")  # key: e.g. data.data_files.train, from --set data.data_files=...
+    if key not in flags and not _set_by(key, overridden):  # a check of two keys (d_model and num_heads) is
+        section = key.partition(".")[0]                     # the mistake of the one that was set
+        named = [k for k in (*flags, *overridden) if k.startswith(section + ".")
+                 and re.search(rf"\b{re.escape(k.rpartition('.')[2])}\b", problem)]
+        key = named[0] if named else key
     if key in flags:
         return f"{flags[key]}: {problem}"
-    return f"--set {error}" if any(key == o or key.startswith(o + ".") for o in overridden) else f"{source}: {error}"
+    return f"--set {key}: {problem}" if _set_by(key, overridden) else f"{source}: {error}"
+
+
+def _set_by(key: str, overridden: set[str]) -> bool:
+    """Whether one of the ``--set`` items ``overridden`` set ``key`` (or the mapping holding it)."""
+    return any(key == o or key.startswith(o + ".") for o in overridden)
 
 
 def build_sections(raw: dict[str, Any], sections: dict[str, type],
