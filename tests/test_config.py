@@ -199,7 +199,8 @@ def test_a_huge_value_is_quoted_short(tmp_path):
     assert max(len(line.replace(str(bomb), "")) for line in str(info.value).splitlines()) < 200
 
 def test_a_check_of_two_keys_names_the_one_the_command_line_set():
-    """d_model and num_heads are checked together; the mistake is that of the one the user set."""
+    """A check of two keys (d_model and num_heads; data.max_length and model.max_len) is the mistake of
+    the one the command line set, not of the file that holds the other."""
     for sets, line in ((["model.d_model=130"], "--set model.d_model: d_model 130 is not divisible by num_heads 4"),
                        (["model.num_heads=3"], "--set model.num_heads: d_model 128 is not divisible by num_heads 3"),
                        (["model.d_model=130", "model.num_heads=3"], "--set model.num_heads: d_model 130 is not "
@@ -207,6 +208,15 @@ def test_a_check_of_two_keys_names_the_one_the_command_line_set():
         with pytest.raises(ConfigError) as info:
             load_config("configs/demo.yaml", sets)
         assert str(info.value).startswith(line + " (each head takes d_model / num_heads channels); use d_model ")
+    # a key of another section is named in full; the check's own key then leads the problem
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/demo.yaml", ["model.max_len=20"])
+    assert str(info.value) == ("--set model.max_len: data.max_length 48 exceeds model.max_len 20; lower it or "
+                               "raise model.max_len")
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/demo.yaml", ["data.max_length=30000", "model.max_len=40000"])
+    assert str(info.value) == ("--set data.max_length: train.max_tokens 3000 is smaller than one sequence "
+                               "(data.max_length 30000); raise it")
     with pytest.raises(ConfigError, match=r"^--set model.positional: rope .* needs an even head size, got d_model / "
                                           r"num_heads = 3; choose num_heads so that d_model / num_heads is even, or another positional$"):
         load_config("configs/demo.yaml", ["model.positional=rope", "model.d_model=132", "model.num_heads=44"])

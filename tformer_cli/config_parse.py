@@ -120,14 +120,22 @@ def origin(error: str, overridden: set[str], source: str, flags: dict[str, str])
     if error.startswith("--set "):
         return error
     key, _, problem = error.partition(": ")  # key: e.g. data.data_files.train, from --set data.data_files=...
-    if key not in flags and not _set_by(key, overridden):  # a check of two keys (d_model and num_heads) is
-        section = key.partition(".")[0]                     # the mistake of the one that was set
-        named = [k for k in (*flags, *overridden) if k.startswith(section + ".")
-                 and re.search(rf"\b{re.escape(k.rpartition('.')[2])}\b", problem)]
-        key = named[0] if named else key
+    if key not in flags and not _set_by(key, overridden):  # a check of two keys: the mistake of the one set
+        named = next((k for k in (*flags, *overridden) if _names(problem, k, key)), None)
+        if named:
+            problem = problem if _names(problem, key, key) else f"{key} {problem}"  # what was checked
+            key = named
     if key in flags:
         return f"{flags[key]}: {problem}"
     return f"--set {key}: {problem}" if _set_by(key, overridden) else f"{source}: {error}"
+
+
+def _names(problem: str, key: str, of: str) -> bool:
+    """Whether ``problem``, an error of the key ``of``, names ``key``: in full (``model.max_len``), or by
+    its name alone (``num_heads``) where the two keys are of one section."""
+    section, _, name = key.rpartition(".")
+    spellings = (key, name) if of.rpartition(".")[0] == section else (key,)
+    return any(re.search(rf"(?<![\w.]){re.escape(spelling)}\b", problem) for spelling in spellings)
 
 
 def _set_by(key: str, overridden: set[str]) -> bool:
