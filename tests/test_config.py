@@ -217,8 +217,9 @@ def test_a_check_of_two_keys_names_the_one_the_command_line_set():
         load_config("configs/demo.yaml", ["data.max_length=30000", "model.max_len=40000"])
     assert str(info.value) == ("--set data.max_length: train.max_tokens 3000 is smaller than one sequence "
                                "(data.max_length 30000); raise it")
-    with pytest.raises(ConfigError, match=r"^--set model.positional: rope .* needs an even head size, got d_model / "
-                                          r"num_heads = 3; choose num_heads so that d_model / num_heads is even, or another positional$"):
+    with pytest.raises(ConfigError, match=r"^--set model.positional: rope .* needs an even head size, got d_model "
+                                          r"/ num_heads = 3; choose num_heads so that d_model / num_heads is even, "
+                                          r"or another positional$"):
         load_config("configs/demo.yaml", ["model.positional=rope", "model.d_model=132", "model.num_heads=44"])
     with pytest.raises(ConfigError, match=r"use d_model 2305843009213000000 or 2305843009214000000$"):
         load_config(None, ["model.d_model=2305843009213693951", "model.num_heads=1000000"])  # a prime: no num_heads

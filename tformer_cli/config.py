@@ -308,8 +308,9 @@ def _validate_model(m: ModelConfig, need: Need) -> None:
                  + (f", or num_heads {heads}" if heads else ""))
         if m.positional == "rope" and m.d_model % m.num_heads == 0:
             need((m.d_model // m.num_heads) % 2 == 0, "model.positional",
-                 f"rope rotates pairs of a head's channels and needs an even head size, got d_model / num_heads = "
-                 f"{m.d_model // m.num_heads}; choose num_heads so that d_model / num_heads is even, or another positional")
+                 f"rope rotates pairs of a head's channels and needs an even head size, got d_model / num_heads "
+                 f"= {m.d_model // m.num_heads}; choose num_heads so that d_model / num_heads is even, or another "
+                 "positional")
     for key in ("dropout", "attention_dropout", "word_dropout"):
         need(0.0 <= getattr(m, key) < 1.0, f"model.{key}", f"must be in [0, 1), got {getattr(m, key)}")
     need(m.layer_norm_eps > 0, "model.layer_norm_eps", f"must be > 0, got {m.layer_norm_eps}")
