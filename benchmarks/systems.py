@@ -216,7 +216,7 @@ class Tformer(System):
     compiled = False  # trains as train.compile does: without the speed layer's modules (accel.MODULE_PIECES)
 
     def __init__(self, size: Size, device: torch.device, fused: bool = True) -> None:
-        from tformer_cli.accel import MODULE_PIECES, accelerate
+        from tformer_cli.accel import accelerate
         from tformer_cli.config import ModelConfig
         from tformer_cli.evaluation import label_smoothed_loss
         from tformer_cli.model import build_model
@@ -224,8 +224,8 @@ class Tformer(System):
         self.name = "tformer int8" if self.int8 else "tformer"
         cfg = ModelConfig(d_model=size.d_model, num_heads=size.heads, num_encoder_layers=size.layers,
                           num_decoder_layers=size.layers, d_ff=size.d_ff, dropout=0.1, max_len=256)
-        skip = (*ACCEL_SKIP, *MODULE_PIECES) if self.compiled else ACCEL_SKIP
-        self.model = accelerate(build_model(cfg, size.vocab).to(device), device, ACCEL, skip, self.int8)
+        self.model = accelerate(build_model(cfg, size.vocab).to(device), device, ACCEL, ACCEL_SKIP, self.int8,
+                                self.compiled)
         self.optimizer = _adam(self.model.parameters(), fused)
         self.loss = label_smoothed_loss
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tformer_cli.accel import MODULE_PIECES, accelerate
+from tformer_cli.accel import accelerate
 from tformer_cli.config import Config, DataConfig, DecodeConfig
 from tformer_cli.devices import autocast, memory_bytes, resolve_precision
 from tformer_cli.encoding import (
@@ -178,7 +178,7 @@ class Setup:
                 raise
             raise _too_big(self.config, self.vocab, self.device) from None
         # the speed layer, unless train.accel is off; compiled, without the modules it would swap in
-        return accelerate(model, self.device, self.config.train.accel, skip=MODULE_PIECES if self.compiled else ())
+        return accelerate(model, self.device, self.config.train.accel, compiled=self.compiled)
 
     @property
     def validates_together(self) -> bool:

@@ -45,8 +45,8 @@ from tformer_cli.errors import UsageError
 from tformer_cli.model.attention import ScaledDotProductAttention
 from tformer_cli.model.layers import PositionwiseFeedForward
 
-__all__ = ["MODES", "PIECES", "CUDA_PIECES", "MODULE_PIECES", "accelerate", "build_decoding_kernels", "build_kernels",
-           "check_mode", "tune_runtime", "widen_kernel_cache"]
+__all__ = ["MODES", "PIECES", "CUDA_PIECES", "accelerate", "build_decoding_kernels", "build_kernels", "check_mode",
+           "tune_runtime", "widen_kernel_cache"]
 MODES = ("auto", "off")
 # what ``skip`` may leave out, to measure each
 PIECES = ("linear", "gemm", "dropout", "attention", "runtime", "loss", "graphs")
@@ -66,12 +66,13 @@ def check_mode(mode: str, option: str = "--accel") -> None:
 
 
 def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
-               skip: tuple[str, ...] = (), int8: bool = False) -> nn.Module:
+               skip: tuple[str, ...] = (), int8: bool = False, compiled: bool = False) -> nn.Module:
     """Swap the speed layer into ``model`` for ``device`` (in place; the model is returned). The
     swapped modules hold the model's own parameters, so tied weights stay tied and the state dict keeps
     its keys. ``mode`` "off" leaves the model plain (and torch's own products in the fused loss);
     ``skip`` leaves out some of ``PIECES`` (the benchmark measures what each buys). ``int8`` (CPU
-    decoding, ``--precision int8``) gives every linear layer int8 weights, with either mode. The
+    decoding, ``--precision int8``) gives every linear layer int8 weights, with either mode; ``compiled``
+    (a model that ``train.compile`` compiles) leaves out the modules of ``MODULE_PIECES``. The
     switches of the oneDNN products (CPU), the fused loss and the decoding graphs (CUDA) are the
     process's, one set per kind of device: the model last accelerated for a kind of device sets them."""
     check_mode(mode)
@@ -81,6 +82,8 @@ def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
     if int8:
         quantize_int8(model)
         skip = (*skip, "linear")
+    if compiled:
+        skip = (*skip, *MODULE_PIECES)
     # only this kind of device's switches: a CPU model loaded beside a GPU one leaves the GPU's as they were
     kind, on = torch.device(device).type, mode == "auto"
     if kind == "cpu":
