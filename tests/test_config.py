@@ -198,6 +198,7 @@ def test_a_huge_value_is_quoted_short(tmp_path):
     assert "data.'kkkkk" in str(info.value)
     assert max(len(line.replace(str(bomb), "")) for line in str(info.value).splitlines()) < 200
 
+
 def test_a_check_of_two_keys_names_the_one_the_command_line_set():
     """A check of two keys (d_model and num_heads; data.max_length and model.max_len) is the mistake of
     the one the command line set, not of the file that holds the other."""
