@@ -521,7 +521,9 @@ def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, mon
     monkeypatch.undo()  # a model too large to build: no batch size helps
 
     import tformer_cli.run_setup as run_setup
+    from tformer_cli.config import load_config
     from tformer_cli.model import build_model
+    from tformer_cli.params import table_bytes
     from tformer_cli.render import human_bytes
 
     monkeypatch.setattr(run_setup, "build_model", cpu_full)
@@ -535,14 +537,20 @@ def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, mon
     result = runner.invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "larger")])
     assert result.exit_code == 1
     assert re.fullmatch(r"error: the model does not fit in the CPU's memory \(training its ([\d,]+) parameters "
-                        r"needs at least (.*) for weights, gradients and Adam's moments, and this process has 1.00 "
-                        r"KiB\): lower model.d_model, .*\n", result.output), result.output
+                        r"needs at least (.*) for weights, gradients and Adam's moments and (.*) for its positional "
+                        r"tables, and this process has 1.00 KiB\): lower model.d_model, .*\n", result.output), \
+        result.output
     parameters = int(re.search(r"training its ([\d,]+)", result.output).group(1).replace(",", ""))
-    assert f"at least {human_bytes(16 * parameters)} for" in result.output
-    monkeypatch.setattr(run_setup, "memory_bytes", lambda device: 16 * parameters)  # just enough: trains
+    tables = table_bytes(load_config(config).model)
+    assert f"at least {human_bytes(16 * parameters)} for weights, gradients and Adam's moments and " \
+           f"{human_bytes(tables)} for its positional tables" in result.output
+    monkeypatch.setattr(run_setup, "memory_bytes", lambda device: 16 * parameters + tables)  # just enough: trains
     monkeypatch.setattr(run_setup, "build_model", build_model)
     assert runner.invoke(app, ["train", str(config), "--output-dir", str(tmp_path / "fits")]).exit_code == 0
-    # positional tables far longer than the weights: model.max_len is the setting to lower
+    # positional tables far longer than the weights: model.max_len is the setting to lower, and the run is
+    # refused, on this machine's memory, before the tables are built (an 8 GB float64 range first, for these)
+    monkeypatch.undo()
+    monkeypatch.setattr(run_setup, "build_model", lambda *args: pytest.fail("the model was built"))
     long = write_config(tmp_path / "long.yaml", model={"max_len": 10**9})
     result = runner.invoke(app, ["train", str(long), "--output-dir", str(tmp_path / "long")])
     assert result.exit_code == 1 and result.output.strip().endswith(

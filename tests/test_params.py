@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -7,7 +9,7 @@ from typer.testing import CliRunner
 from tformer_cli.cli import app
 from tformer_cli.config import ModelConfig
 from tformer_cli.model import build_model
-from tformer_cli.params import parameter_rows, total_params
+from tformer_cli.params import parameter_rows, table_bytes, total_params
 
 
 @settings(max_examples=25, deadline=None)
@@ -29,6 +31,32 @@ def test_formula_equals_the_built_model(heads, head_dim, enc, dec, d_ff, vocab, 
     rows = parameter_rows(cfg, vocab, tgt_vocab)
     assert all(r.agrees for r in rows)
     assert sum(r.model for r in rows) == actual
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "rope", "learned", "alibi"])
+def test_the_positional_tables_bytes_are_what_building_them_takes_at_its_peak(positional):
+    """What training checks against the machine's memory before building: the peak of building a model
+    with long tables less that of one with short tables, measured by torch's profiler, is what
+    table_bytes says the longer tables add (learned positions are parameters, counted apart)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def peak(max_len):
+        cfg = ModelConfig(d_model=64, num_heads=4, num_encoder_layers=1, num_decoder_layers=1, d_ff=32,
+                          positional=positional, max_len=max_len)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model = build_model(cfg, 16)
+        allocations = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                             if e.name() == "[memory]")
+        held = top = 0
+        for _, change in allocations:
+            held += change
+            top = max(top, held)
+        learned = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "learned" in name)
+        return top - learned, table_bytes(cfg)
+
+    (short, short_predicted), (long, long_predicted) = peak(64), peak(4096)
+    assert long - short == pytest.approx(long_predicted - short_predicted, rel=0.02)
+    assert (long_predicted == 0) == (positional in ("learned", "alibi"))
 
 
 def test_count_params_base_is_about_63m_and_json_parses():

@@ -129,6 +129,18 @@ def train_flops_per_token(c: ModelConfig, tgt_vocab: int, src_per_tgt: float = 1
 TRAINING_BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and Adam's two moments
 
 
+def table_bytes(c: ModelConfig) -> int:
+    """Bytes of the positional tables a model holds beside its parameters, at their peak while built:
+    sinusoidal's (max_len, d_model) float32 table a stack, the second built while the first is kept, in
+    float64 from float64 angles and their sines (half the channels each); rope's angles, cosines and
+    sines, (max_len, d_k / 2) float32 each. Learned positions are parameters; ALiBi's slopes, a row a head."""
+    if c.positional == "sinusoidal":
+        return (4 + 8 + 4 + 4) * c.max_len * c.d_model
+    if c.positional == "rope":
+        return 3 * 4 * c.max_len * (c.d_model // c.num_heads // 2)
+    return 0
+
+
 def summary(c: ModelConfig, src_vocab: int, tgt_vocab: int | None = None) -> dict:
     """Everything `count-params` shows, as plain data."""
     tgt_vocab = tgt_vocab or src_vocab

@@ -23,7 +23,7 @@ from tformer_cli.files import append_jsonl, json_line, read_jsonl, write_failed,
 from tformer_cli.launch import torchrun_variable
 from tformer_cli.model import build_model
 from tformer_cli.optim import make_optimizer
-from tformer_cli.params import TRAINING_BYTES_PER_PARAMETER, total_params
+from tformer_cli.params import TRAINING_BYTES_PER_PARAMETER, table_bytes, total_params
 from tformer_cli.parallel import Workers, distribute, gathered, load_optimizer_state, shard_like
 from tformer_cli.preparing import prepare_apart, worth_preparing_apart
 from tformer_cli.render import human_bytes
@@ -152,19 +152,21 @@ class Setup:
 
     def _check_fits(self) -> None:
         """ConfigError where the training state alone, 16 bytes a parameter (fp32 weights, gradients and
-        Adam's two moments; this process's share under FSDP), is more than its share of the device's
-        memory (the CPU's RAM is shared by this machine's processes): past it the OS would kill the
-        process without a word, once the model was built or at the first step."""
+        Adam's two moments; this process's share under FSDP) with the positional tables, is more than its
+        share of the device's memory (the CPU's RAM is shared by this machine's processes): past it the OS
+        would kill the process without a word, once the model was built or at the first step."""
         memory = memory_bytes(self.device)
         if memory is None:
             return
         parameters = total_params(self.config.model, self.vocab.src_size, self.vocab.tgt_size)
-        needed = TRAINING_BYTES_PER_PARAMETER * parameters // (self.workers.size if self.sharded else 1)
+        weights = TRAINING_BYTES_PER_PARAMETER * parameters // (self.workers.size if self.sharded else 1)
+        tables = table_bytes(self.config.model)
         share = memory // (torchrun_variable("LOCAL_WORLD_SIZE") if self.device.type == "cpu" else 1)
-        if needed > share:
+        if weights + tables > share:
+            with_tables = f" and {human_bytes(tables)} for its positional tables" if tables else ""
             raise _too_big(self.config, self.vocab, self.device, f"training its {parameters:,} parameters needs "
-                           f"at least {human_bytes(needed)} for weights, gradients and Adam's moments, and this "
-                           f"process has {human_bytes(share)}")
+                           f"at least {human_bytes(weights)} for weights, gradients and Adam's moments"
+                           f"{with_tables}, and this process has {human_bytes(share)}")
 
     def _build_model(self, draw: bool = True) -> torch.nn.Module:
         """The model on the training device, with the speed layer (a compiled run's without the modules
