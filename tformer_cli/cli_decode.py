@@ -230,7 +230,7 @@ def generate(
     from tformer_cli.batching import sentences_per_batch
     from tformer_cli.decoding import DecodeOptions
     from tformer_cli.devices import resolve_device, resolve_precision
-    from tformer_cli.render import generation_lines, warn
+    from tformer_cli.render import generation_lines
 
     check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_tokens=max_tokens,
                          max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -256,24 +256,42 @@ def generate(
         mbr=mbr, mbr_metric=mbr_metric, mbr_candidates=mbr_candidates, **limits)
     check_min_len(options.min_len, models.max_len)
     batch_size, max_tokens = batch_size or loaded.config.decode.batch_size, max_tokens or loaded.config.decode.max_tokens
-    number, stopped_at_prefix = 0, False
-    for chunk in input_batches(texts, prefix, json_input, loaded.vocab,
-                               sentences_per_batch(options, batch_size, max_tokens)):
+    chunks = input_batches(texts, prefix, json_input, loaded.vocab, sentences_per_batch(options, batch_size, max_tokens))
+    warnings = _OutputWarnings(loaded.vocab, models.max_len, engine)
+    for number, (result, forced) in enumerate(_translated(chunks, translate, options, batch_size, max_tokens)):
+        warnings.check(result, forced)
+        generation_lines(result, json_output, number, loaded.vocab if align else None)
+
+
+def _translated(chunks, translate, options, batch_size: int, max_tokens: int | None):
+    """(result, its prefix or "") for each input of ``chunks`` (lists of (text, prefix)), in order, a
+    chunk translated at a time: a program on the other end of a pipe gets each chunk's answers at once."""
+    for chunk in chunks:
         prefixes = [p or "" for _, p in chunk]
-        for result, forced in zip(translate([text for text, _ in chunk], options, batch_size,
-                                            prefixes if any(prefixes) else None, max_tokens), prefixes):
-            if result.truncated:
-                warn(f"input longer than the model's {models.max_len} positions was truncated: "
-                     f"{result.source[:40]}…")
-            if _prefix_cut(loaded.vocab, forced, result, models.max_len):
-                warn(f"the model's {models.max_len} positions ran out inside the prefix, so the output holds only "
-                     f"its start: {forced[:40]}…")
-            if engine != "tformer" and not stopped_at_prefix and _stopped_at_prefix(forced, result):
-                stopped_at_prefix = True  # once a command
-                warn(f"--engine ctranslate2 ended an output where its prefix ends ({forced[-40:]!r}): it forces a "
-                     "prefix as its own tokens and cannot complete a word cut short; --engine tformer completes it")
-            generation_lines(result, json_output, number, loaded.vocab if align else None)
-            number += 1
+        yield from zip(translate([text for text, _ in chunk], options, batch_size,
+                                 prefixes if any(prefixes) else None, max_tokens), prefixes)
+
+
+class _OutputWarnings:
+    """The warnings an output may call for: its input truncated, the model's positions run out inside
+    its prefix, and (once a command) CTranslate2 ending it where its prefix ends."""
+
+    def __init__(self, vocab: Vocabulary, max_len: int, engine: str) -> None:
+        self.vocab, self.max_len = vocab, max_len
+        self.watch_prefix_end = engine != "tformer"
+
+    def check(self, result, prefix: str) -> None:
+        from tformer_cli.render import warn
+
+        if result.truncated:
+            warn(f"input longer than the model's {self.max_len} positions was truncated: {result.source[:40]}…")
+        if _prefix_cut(self.vocab, prefix, result, self.max_len):
+            warn(f"the model's {self.max_len} positions ran out inside the prefix, so the output holds only its "
+                 f"start: {prefix[:40]}…")
+        if self.watch_prefix_end and _stopped_at_prefix(prefix, result):
+            self.watch_prefix_end = False  # once a command
+            warn(f"--engine ctranslate2 ended an output where its prefix ends ({prefix[-40:]!r}): it forces a "
+                 "prefix as its own tokens and cannot complete a word cut short; --engine tformer completes it")
 
 
 def _prefix_cut(vocab: Vocabulary, prefix: str, result, max_len: int) -> bool:
