@@ -108,6 +108,18 @@ def train_step(model, model_config, device="cpu", **train):
     return step
 
 
+@pytest.fixture
+def compilable_gpu(monkeypatch):
+    """torch.cuda answering as an A100's would, with Triton installed (the CPU wheel has neither): for
+    code that asks whether torch.compile compiles for the GPU, run without one."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: True if name == "triton" else find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, _cache):
     """A tiny run trained once through the CLI, for the tests of eval, generate and inspect-attention."""

@@ -89,7 +89,7 @@ def test_off_and_other_devices_leave_the_plain_model():
         assert not gemm._enabled
 
 
-def test_a_model_on_one_device_leaves_the_other_devices_switches_as_they_were(monkeypatch):
+def test_a_model_on_one_device_leaves_the_other_devices_switches_as_they_were(monkeypatch, compilable_gpu):
     from tformer_cli.accel import fused_loss, graphs
 
     for module in (gemm, fused_loss, graphs):  # restored after the test
@@ -104,6 +104,10 @@ def test_a_model_on_one_device_leaves_the_other_devices_switches_as_they_were(mo
     assert not gemm._enabled and fused_loss._enabled and graphs._enabled
     accelerate(model, "cuda", "off")
     assert not fused_loss._enabled and not graphs._enabled
+    # a GPU that Triton does not compile for (a P100): the fused loss, compiled, is left off; the graphs are not
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (6, 0))
+    accelerate(model, "cuda", "auto")
+    assert not fused_loss._enabled and graphs._enabled
 
 
 def test_widen_kernel_cache_sets_capacity_unless_the_user_did(monkeypatch):

@@ -186,7 +186,7 @@ def test_where_the_fused_terms_do_not_compile_the_loss_warns_once_and_stays_righ
                                                      reduction="sum"))
 
 
-def test_accelerate_turns_the_fused_loss_on_for_cuda_models_in_mode_auto(monkeypatch):
+def test_accelerate_turns_the_fused_loss_on_for_cuda_models_in_mode_auto(monkeypatch, compilable_gpu):
     from tformer_cli.accel import accelerate
 
     monkeypatch.setattr(fused_loss, "_enabled", False)

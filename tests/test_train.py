@@ -193,11 +193,34 @@ def _weights(run_dir):
     return load_file(str(step_checkpoints(run_dir)[-1] / "model.safetensors"))
 
 
-def test_train_compile_auto_compiles_on_a_gpu_and_not_on_a_cpu():
+def test_train_compile_auto_compiles_on_a_gpu_that_triton_supports_and_not_on_a_cpu(monkeypatch):
+    """auto compiles on a GPU where torch.compile can (Triton installed, compute capability 7.0 or later),
+    and true asks for it anywhere: where it cannot, one line says why, before the model is built."""
+    import importlib.util
+
+    from tformer_cli.errors import ConfigError
     from tformer_cli.evaluation import compiles
 
-    assert compiles("auto", torch.device("cuda")) and not compiles("auto", torch.device("cpu"))
-    assert compiles(True, torch.device("cpu")) and not compiles(False, torch.device("cuda"))
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla P100-PCIE-16GB")  # the old GPU
+    for capability, triton, compiled in (((9, 0), True, True), ((7, 0), True, True), ((6, 0), True, False),
+                                         ((8, 0), False, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(importlib.util, "find_spec",  # triton installed or not (the CPU wheel has none)
+                            lambda name, *args: find_spec(name, *args) if name != "triton" else triton or None)
+        assert compiles("auto", gpu) is compiled and compiles(False, gpu) is False
+        if compiled:
+            assert compiles(True, gpu)
+        else:
+            with pytest.raises(ConfigError) as refused:
+                compiles(True, gpu)
+            why = ("Tesla P100-PCIE-16GB has compute capability 6.0, and Triton, torch.compile's GPU compiler, needs "
+                   "7.0 or later" if triton else
+                   "Triton, torch.compile's GPU compiler, is not installed (pip install triton)")
+            assert str(refused.value) == (f"train.compile true: {why}; set train.compile=false, or auto (compiled "
+                                          "where it can be)")
+    assert not compiles("auto", cpu) and compiles(True, cpu) and not compiles(False, cpu)
 
 
 @pytest.mark.slow  # inductor compiles the step for about 35 s on 2 cores

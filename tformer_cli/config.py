@@ -102,8 +102,8 @@ class TrainConfig:
     # fp32, or bf16 / fp16 autocast (bf16 on CPUs with AVX-512 BF16 or AMX); auto: bf16 on a GPU with
     # bf16 tensor cores (A100, H100 and later), fp32 elsewhere
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    # torch.compile the encoder and decoder; auto: on a GPU (H200, base: 1.22x the tokens/s after ~98 s
-    # of compiling), not on a CPU (slower there)
+    # torch.compile the encoder and decoder; auto: on a GPU that Triton compiles for, compute capability 7.0
+    # or later (H200, base: 1.22x the tokens/s after ~98 s of compiling), not on a CPU (slower there)
     compile: Literal["auto", True, False] = "auto"
     accel: Literal["auto", "off"] = "auto"  # the speed layer (tformer_cli/accel): auto where it pays, off: plain
     parallel: Literal["ddp", "fsdp"] = "ddp"  # several processes: replicate the model (ddp), or shard it (fsdp)

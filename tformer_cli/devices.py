@@ -4,6 +4,7 @@ is measured against), timing on it, and the memory figures a training log report
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import re
 import time
@@ -32,6 +33,21 @@ def resolve_device(name: str = "auto", option: str = "--device") -> torch.device
 
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compile_unsupported(device: torch.device) -> str | None:
+    """Why torch.compile cannot compile for ``device``, or None. On a GPU inductor writes Triton kernels,
+    and Triton needs the triton package (torch's Linux wheels bring it) and a GPU of compute capability
+    7.0 or later: a V100, T4 or later, not the P100 or K80 that some clouds still lend."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 7:
+        return (f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}, and Triton, "
+                "torch.compile's GPU compiler, needs 7.0 or later")
+    if importlib.util.find_spec("triton") is None:
+        return "Triton, torch.compile's GPU compiler, is not installed (pip install triton)"
+    return None
 
 
 def resolve_precision(setting: str, device: torch.device) -> str:

@@ -20,7 +20,8 @@ from tformer_cli.accel import ops
 from tformer_cli.batching import Batch, collate, token_batches
 from tformer_cli.encoding import EncodedSplit
 from tformer_cli.ensemble import Ensemble, as_ensemble
-from tformer_cli.errors import DataError
+from tformer_cli.devices import compile_unsupported
+from tformer_cli.errors import ConfigError, DataError
 from tformer_cli.loss import linear_smoothed_cross_entropy
 
 if TYPE_CHECKING:
@@ -64,10 +65,16 @@ def _fused_loss(model: torch.nn.Module, batch: Batch, rows: Tensor, smoothing: f
 
 
 def compiles(setting: str | bool, device: torch.device) -> bool:
-    """Whether training compiles its loss (``train.compile``): true, false, or auto, on a GPU only.
-    On an H200 compiled base trains 1.22x as many tokens a second as eager, after ~98 s of compiling;
-    on CPUs compiled steps are slower (benchmarks/README.md)."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
+    """Whether training compiles its loss (``train.compile``): true, false, or auto, on a GPU that
+    torch.compile compiles for. On an H200 compiled base trains 1.22x as many tokens a second as eager,
+    after ~98 s of compiling; on CPUs compiled steps are slower (benchmarks/README.md). ConfigError
+    where true asks for what cannot compile."""
+    why = compile_unsupported(device)
+    if setting == "auto":
+        return device.type == "cuda" and why is None
+    if setting and why:
+        raise ConfigError(f"train.compile true: {why}; set train.compile=false, or auto (compiled where it can be)")
+    return bool(setting)
 
 
 def compiled_loss() -> Callable[..., tuple[Tensor, Tensor]]:

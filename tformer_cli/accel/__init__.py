@@ -93,7 +93,10 @@ def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
         if on:
             _swap(model, set(skip))
     elif kind == "cuda":
-        fused_loss.enable(on and "loss" not in skip)
+        from tformer_cli.devices import compile_unsupported
+
+        # the fused loss is compiled: where it cannot be, the plain loss, without the warning of a failed compile
+        fused_loss.enable(on and "loss" not in skip and compile_unsupported(torch.device(device)) is None)
         graphs.enable(on and "graphs" not in skip)
     return model
 
