@@ -69,6 +69,7 @@ def test_count_params_base_is_about_63m_and_json_parses():
     expected = 37_000 * 512 + 6 * (4 * 512**2 + layer_ffn + 4 * 512) + 6 * (8 * 512**2 + layer_ffn + 6 * 512)
     assert data["totals"]["model"] == data["totals"]["formula"] == expected == 63_045_632
     assert data["paper_layer_params"] == 4 * 512**2 + 2 * 512 * 2048
+    assert data["memory_bytes"]["positional_tables"] == 20 * 512 * 512  # sinusoidal, max_len 512: what train counts
 
 
 def test_count_params_table_and_big_config():

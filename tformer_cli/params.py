@@ -160,5 +160,6 @@ def summary(c: ModelConfig, src_vocab: int, tgt_vocab: int | None = None) -> dic
             "adam_training_fp32": TRAINING_BYTES_PER_PARAMETER * total,
             # bf16 weights and gradients, fp32 Adam moments: 12 bytes a parameter
             "adam_training_bf16": 12 * total,
+            "positional_tables": table_bytes(c),  # beside the weights, at their peak while built
         },
     }

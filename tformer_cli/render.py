@@ -80,6 +80,8 @@ def param_table(summary: dict) -> None:
     notes.add_row("weights fp32 / bf16", f"{human_bytes(mem['weights_fp32'])} / {human_bytes(mem['weights_bf16'])}")
     notes.add_row("weights + grads + Adam, fp32 / bf16 mixed",
                   f"{human_bytes(mem['adam_training_fp32'])} / {human_bytes(mem['adam_training_bf16'])}")
+    if mem["positional_tables"]:
+        notes.add_row("positional tables (max_len rows), while built", human_bytes(mem["positional_tables"]))
     console.print(notes)
 
 
