@@ -551,11 +551,12 @@ def test_running_out_of_memory_names_the_setting_to_lower(run_dir, tmp_path, mon
     # refused, on this machine's memory, before the tables are built (an 8 GB float64 range first, for these)
     monkeypatch.undo()
     monkeypatch.setattr(run_setup, "build_model", lambda *args: pytest.fail("the model was built"))
-    long = write_config(tmp_path / "long.yaml", model={"max_len": 10**9})
-    result = runner.invoke(app, ["train", str(long), "--output-dir", str(tmp_path / "long")])
-    assert result.exit_code == 1 and result.output.strip().endswith(
-        "its positional tables have a row for each of model.max_len's 1,000,000,000 positions; lower model.max_len "
-        "to what the data needs (data.max_length is 48)"), result.output
+    for positional in ("sinusoidal", "learned", "rope"):  # tables built, learned as weights, rope's rotations
+        long = write_config(tmp_path / "long.yaml", model={"max_len": 10**9, "positional": positional})
+        result = runner.invoke(app, ["train", str(long), "--output-dir", str(tmp_path / "long")])
+        assert result.exit_code == 1 and result.output.strip().endswith(
+            "its positional tables have a row for each of model.max_len's 1,000,000,000 positions; lower "
+            "model.max_len to what the data needs (data.max_length is 48)"), (positional, result.output)
 
 
 def test_an_error_during_training_stops_the_live_progress_display(tmp_path, monkeypatch):

@@ -273,10 +273,12 @@ class Setup:
 
 def _too_big(config: Config, vocab: Vocabulary, device: torch.device, why: str = "") -> ConfigError:
     """What to lower when the model does not fit (``why``: by how much, where known): model.max_len
-    where its positional tables (built in float64) outweigh the weights, else the model's width and depth."""
+    where its positional tables (learned ones trained as weights) take more of the memory than the other
+    weights, else the model's width and depth."""
     m, where = config.model, f"the model does not fit in the {device.type.upper()}'s memory{f' ({why})' if why else ''}"
-    tables = 0 if m.positional == "alibi" else 2 * m.max_len * m.d_model  # one a stack, in float64
-    if 2 * tables > total_params(m, vocab.src_size, vocab.tgt_size):
+    learned = 2 * m.max_len * m.d_model if m.positional == "learned" else 0  # a table a stack
+    weights = total_params(m, vocab.src_size, vocab.tgt_size) - learned
+    if table_bytes(m) + TRAINING_BYTES_PER_PARAMETER * learned > TRAINING_BYTES_PER_PARAMETER * weights:
         return ConfigError(f"{where}: its positional tables have a row for each of model.max_len's {m.max_len:,} "
                            f"positions; lower model.max_len to what the data needs (data.max_length is "
                            f"{config.data.max_length})")
