@@ -69,10 +69,9 @@ def compiles(setting: str | bool, device: torch.device) -> bool:
     torch.compile compiles for. On an H200 compiled base trains 1.22x as many tokens a second as eager,
     after ~98 s of compiling; on CPUs compiled steps are slower (benchmarks/README.md). ConfigError
     where true asks for what cannot compile."""
-    why = compile_unsupported(device)
     if setting == "auto":
-        return device.type == "cuda" and why is None
-    if setting and why:
+        return device.type == "cuda" and compile_unsupported(device) is None
+    if setting and (why := compile_unsupported(device)):
         raise ConfigError(f"train.compile true: {why}; set train.compile=false, or auto (compiled where it can be)")
     return bool(setting)
 
