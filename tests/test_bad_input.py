@@ -8,6 +8,7 @@ changed. Cache entries, which are rebuilt rather than refused, are in test_relia
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -463,3 +464,50 @@ def test_output_closed_is_discarded_as_print_discards_it(trained_run):
     result = subprocess.run([sys.executable, "-m", "tformer_cli", "generate", str(trained_run), "seven"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.close(1))
     assert result.returncode == 0 and result.stderr == ""
+
+
+# Run in a fresh interpreter: each mistake through the CLI, then whether torch has been imported
+_BEFORE_TORCH = """
+import json, sys
+from tformer_cli.cli import app
+
+answers = []
+for argv in json.loads(sys.argv[1]):
+    try:
+        app(argv, prog_name="tformer")
+    except SystemExit as exc:
+        answers.append([exc.code, "torch" in sys.modules])
+print(json.dumps(answers))
+"""
+
+
+def test_mistakes_that_need_nothing_loaded_are_found_before_torch_loads(tmp_path):
+    """torch takes seconds to import (2 to 6 on 2 cores): a mistyped key, value, path or flag is one
+    line at once, not after it."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data:\n  dataset: {NUMBERS}\n  source: en\n  target: de\n")
+    (tmp_path / "run").mkdir()  # there, but no run: what is wrong with it needs the run loaded
+    mistakes = [
+        ["train", str(config), "--set", "train.lr=-1"],
+        ["train", str(config), "--set", "model.num_head=3"],
+        ["train", str(tmp_path / "missing.yaml")],
+        ["train", str(config), "--set", f"data.dataset={tmp_path / 'missing'}"],
+        ["train", str(config), "--set", f"data.data_files.train={tmp_path / 'missing.jsonl'}"],
+        ["train", str(config), "--nproc-per-node", "2", "--set", "train.label_smoothing=2"],
+        ["train", "--resume", str(tmp_path / "missing")],
+        ["eval", str(tmp_path / "missing")],
+        ["eval", str(tmp_path / "run"), "--mbr", "1"],
+        ["generate", str(tmp_path / "missing"), "seven"],
+        ["generate", str(tmp_path / "run"), "seven", "--beam-size", "0"],
+        ["generate", str(tmp_path / "run"), "seven", "--sample", "--beam-size", "2"],
+        ["inspect-attention", str(tmp_path / "missing"), "seven"],
+        ["average", str(tmp_path / "missing"), "--last", "2"],
+        ["plot", str(tmp_path / "missing")],
+        ["export", str(tmp_path / "missing"), str(tmp_path / "out")],
+    ]
+    result = subprocess.run([sys.executable, "-c", _BEFORE_TORCH, json.dumps(mistakes)], capture_output=True,
+                            text=True, env={**os.environ, "TFORMER_CACHE": str(tmp_path / "cache")})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 0 and len(errors) == len(mistakes), result.stderr[-3000:]
+    assert json.loads(result.stdout) == [[1, False]] * len(mistakes), list(zip(errors, result.stdout))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()

@@ -17,7 +17,8 @@ from tformer_cli.cli import app
 from tformer_cli.config import load_config
 from tformer_cli.errors import UsageError
 from tformer_cli.files import read_jsonl
-from tformer_cli.runtime import choose_checkpoints, find_weights, step_checkpoints
+from tformer_cli.run_folder import find_weights, step_checkpoints
+from tformer_cli.runtime import choose_checkpoints
 from tformer_cli.train import train
 
 runner = CliRunner()

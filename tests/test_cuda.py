@@ -161,7 +161,7 @@ def test_a_run_on_cuda_resumes_with_its_gpus_dropout_masks_also_from_a_machine_w
     import shutil
 
     from tformer_cli.runs import prepare_run
-    from tformer_cli.runtime import step_checkpoints
+    from tformer_cli.run_folder import step_checkpoints
 
     def losses(config, run_dir, resume=False):
         events = []
@@ -229,7 +229,7 @@ def test_on_cuda_bpe_dropout_draws_the_next_epoch_beside_training_and_checkpoint
 
     import tformer_cli.segmentation as segmentation
     from tformer_cli.encoding import read_encoded
-    from tformer_cli.runtime import step_checkpoints
+    from tformer_cli.run_folder import step_checkpoints
 
     draw, draws, on_main = segmentation.resegment, [], []
 

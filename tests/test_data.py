@@ -353,7 +353,8 @@ def test_a_run_records_the_commit_of_the_hub_dataset_it_reads(tmp_path, monkeypa
     resumed = {tuple(o): prepare_run(None, run, o, None)[0].data.revision
                for o in (["train.max_steps=9"], ["data.dataset=someone/pairs"], ["data.dataset=someone/other"],
                          ["data.dataset=someone/other", "data.revision=v2"], [f"data.dataset={tmp_path}"],
-                         ["data.data_files.train=train.jsonl", "data.data_files.validation=train.jsonl"])}
+                         [f"data.data_files.train={tmp_path / 'train.jsonl'}",
+                          f"data.data_files.validation={tmp_path / 'train.jsonl'}"])}
     assert list(resumed.values()) == ["b" * 40, "b" * 40, "a" * 40, "b" * 40, None, None]
     assert asked[-2:] == [("someone/other", None), ("someone/other", "v2")]
 

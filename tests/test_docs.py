@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import readme_blocks
 from tformer_cli.config import SECTIONS
-from tformer_cli.runtime import step_checkpoints
+from tformer_cli.run_folder import step_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 

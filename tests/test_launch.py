@@ -18,7 +18,7 @@ from conftest import parallel_config
 from test_parallel import _assert_same_losses, _assert_same_weights, _free_port, _records
 from tformer_cli import launch
 from tformer_cli.cli import app
-from tformer_cli.runtime import step_checkpoints
+from tformer_cli.run_folder import step_checkpoints
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
 

@@ -15,7 +15,7 @@ from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.model.attention import scaled_dot_product_attention, segment_mask
 from tformer_cli.packing import pack
-from tformer_cli.runtime import step_checkpoints
+from tformer_cli.run_folder import step_checkpoints
 from tformer_cli.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from tformer_cli.train import train
 

@@ -19,8 +19,7 @@ from tformer_cli.encoding import cache_dir
 from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.files import append_jsonl, read_jsonl
 from tformer_cli.optim import learning_rate
-from tformer_cli.run_folder import MARKER
-from tformer_cli.runtime import step_checkpoints
+from tformer_cli.run_folder import MARKER, step_checkpoints
 
 runner = CliRunner()
 

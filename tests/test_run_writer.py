@@ -12,7 +12,8 @@ import tformer_cli.run_setup as run_setup
 import tformer_cli.train as training
 from conftest import write_config
 from tformer_cli.config import load_config
-from tformer_cli.runtime import load_trainer_state, step_checkpoints
+from tformer_cli.run_folder import step_checkpoints
+from tformer_cli.runtime import load_trainer_state
 from tformer_cli.train import train
 
 

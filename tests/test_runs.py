@@ -5,8 +5,8 @@ import pytest
 from conftest import write_config
 from tformer_cli.config import load_config
 from tformer_cli.errors import UsageError
+from tformer_cli.run_folder import step_checkpoints
 from tformer_cli.runs import prepare_run
-from tformer_cli.runtime import step_checkpoints
 from tformer_cli.train import train
 
 
@@ -87,13 +87,15 @@ def test_a_killed_trainings_hold_on_its_run_goes_with_it(tmp_path):
 
 
 def test_a_runs_config_finds_its_local_data_from_any_directory(tmp_path, monkeypatch):
-    files = {"train": "data/numbers/train.jsonl", "validation": ["data/numbers/validation.jsonl", "nope.jsonl"]}
+    files = {"train": "data/numbers/train.jsonl", "validation": "data/numbers/validation.jsonl",
+             "test": ["data/numbers/test.jsonl", "nope.jsonl"]}  # the test split is not read in training
     path = write_config(tmp_path / "rel.yaml", data={"data_files": files})
     config, _ = prepare_run(path, None, [], tmp_path / "run")
     here = Path.cwd()
     assert config.data.dataset == str(here / "data/numbers")
     assert config.data.data_files == {"train": str(here / "data/numbers/train.jsonl"),
-                                      "validation": [str(here / "data/numbers/validation.jsonl"), "nope.jsonl"]}
+                                      "validation": str(here / "data/numbers/validation.jsonl"),
+                                      "test": [str(here / "data/numbers/test.jsonl"), "nope.jsonl"]}
     config, _ = prepare_run(path, None, ["data.dataset=bentrevett/multi30k"], tmp_path / "run")
     assert config.data.dataset == "bentrevett/multi30k"  # a hub id is not a path here
     # a run saved with a relative path (before paths were made absolute), resumed where it is missing

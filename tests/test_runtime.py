@@ -6,9 +6,9 @@ import torch
 from conftest import tiny_model_config
 from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.model import build_model
+from tformer_cli.run_folder import step_checkpoints
 from tformer_cli.runtime import (
-    average_checkpoints, load_run, load_run_config, load_weights,
-    save_checkpoint, save_weights, skipping_random_init, step_checkpoints)
+    average_checkpoints, load_run, load_run_config, load_weights, save_checkpoint, save_weights, skipping_random_init)
 
 
 def test_averaging_two_checkpoints_gives_the_element_wise_mean(tmp_path):

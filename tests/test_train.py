@@ -16,8 +16,9 @@ from tformer_cli.evaluation import label_smoothed_loss
 from tformer_cli.model import build_model
 from tformer_cli.optim import learning_rate
 from tformer_cli.parallel import Workers
-from tformer_cli.runtime import load_run, step_checkpoints
+from tformer_cli.run_folder import step_checkpoints
 from tformer_cli.runs import prepare_run
+from tformer_cli.runtime import load_run
 from tformer_cli.train import train
 from tformer_cli.train_plan import no_step
 

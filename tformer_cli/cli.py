@@ -82,14 +82,14 @@ def train(
         if group.size > 1:  # this process starts the ones that train
             raise typer.Exit(launch_training(group, ctx.params, debug=ctx.find_root().params["debug"]))
     try:  # a signal here (torch loads for seconds) is answered like one during training
+        from tformer_cli.runs import prepare_run
+
+        cfg, run_dir = prepare_run(config, resume, list(overrides or []), output_dir, overwrite,
+                                   main=launched_rank() == 0, device=device)  # the config checked before torch loads
         from tformer_cli import parallel
         from tformer_cli.devices import resolve_device
         from tformer_cli.render import TrainProgress, print_json
-        from tformer_cli.runs import prepare_run
         from tformer_cli.train import train as run_training
-
-        cfg, run_dir = prepare_run(config, resume, list(overrides or []), output_dir, overwrite,
-                                   main=launched_rank() == 0, device=device)
     except KeyboardInterrupt as exc:
         _stopped_by_signal(getattr(exc, "signum", signal.SIGINT), None, launched_rank() == 0)
     workers = parallel.join(resolve_device(cfg.train.device), cfg.train.parallel)  # under torchrun: one of several
@@ -192,7 +192,8 @@ def average(
       tformer eval runs/multi30k/checkpoints/average-last-5 --beam-size 5
     """
     from tformer_cli.render import console, print_json
-    from tformer_cli.runtime import average_checkpoints, choose_checkpoints, run_folder_of
+    from tformer_cli.run_folder import run_folder_of
+    from tformer_cli.runtime import average_checkpoints, choose_checkpoints
 
     if metric not in ("loss", "bleu"):
         raise UsageError(f"--metric {metric}: expected loss or bleu")

@@ -96,17 +96,17 @@ def eval_command(
       tformer eval runs/a --ensemble runs/b,runs/c --beam 5
       tformer eval runs/demo --mbr 32 --seed 1
     """
-    from tformer_cli.accel import check_mode
-    from tformer_cli.decoding import DecodeOptions
-    from tformer_cli.devices import resolve_device, resolve_precision
-    from tformer_cli.evaluation import evaluate_run
-
     check_decoding_flags(beam_size=beam_size, batch_size=batch_size, max_tokens=max_tokens, max_samples=max_samples,
                          length_penalty=length_penalty, min_len=min_len, no_repeat_ngram=no_repeat_ngram,
                          epsilon=epsilon, seed=seed)
     check_mbr(mbr, mbr_metric, mbr_candidates)
-    check_mode(accel)
     data_files = _check_data_files(data_files)
+    from tformer_cli.accel import check_mode  # torch loads here (seconds): after the checks that need none
+    from tformer_cli.decoding import DecodeOptions
+    from tformer_cli.devices import resolve_device, resolve_precision
+    from tformer_cli.evaluation import evaluate_run
+
+    check_mode(accel)
     dev = resolve_device(device or "auto")
     precision = resolve_precision(precision, dev)  # auto: bf16 on a recent GPU, as training
     runs = ensemble_runs(run, ensemble)
@@ -225,22 +225,22 @@ def generate(
       tformer generate runs/demo "twenty-one" --prefix "einund" --align
       tformer generate runs/demo "twenty-one" --engine ctranslate2 --precision int8
     """
-    from tformer_cli.accel import check_mode
-    from tformer_cli.ctranslate2_engine import check_engine
-    from tformer_cli.batching import sentences_per_batch
-    from tformer_cli.decoding import DecodeOptions
-    from tformer_cli.devices import resolve_device, resolve_precision
-    from tformer_cli.render import generation_lines
-
     check_decoding_flags(beam_size=beam_size, nbest=nbest, batch_size=batch_size, max_tokens=max_tokens,
                          max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                          epsilon=epsilon, length_penalty=length_penalty, min_len=min_len,
                          no_repeat_ngram=no_repeat_ngram, align_layer=align_layer, seed=seed)
     check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
-    check_mode(accel)
-    check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
     _check_generate_flags(texts or [], prefix, sample, beam_size, mbr, mbr_candidates, json_input, min_len,
                           max_new_tokens)
+    from tformer_cli.accel import check_mode  # torch loads here (seconds): after the checks that need none
+    from tformer_cli.batching import sentences_per_batch
+    from tformer_cli.ctranslate2_engine import check_engine
+    from tformer_cli.decoding import DecodeOptions
+    from tformer_cli.devices import resolve_device, resolve_precision
+    from tformer_cli.render import generation_lines
+
+    check_mode(accel)
+    check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
     dev = resolve_device(device or "auto")
     loaded, models, translate = _translator(engine, ensemble_runs(run, ensemble), dev, accel,
                                             resolve_precision(precision, dev))

@@ -32,7 +32,17 @@ RdzvOpt = Annotated[Optional[str], typer.Option(
     "--rdzv-endpoint", metavar="HOST:PORT", help="With --nnodes: where the machines meet, a free port on one of "
     "them (the same on each).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output (warnings and errors still).")]
-RunArg = Annotated[Path, typer.Argument(help="Run folder (or a checkpoint folder inside it).")]
+
+
+def _existing_run(path: Path) -> Path:
+    """RUN, checked as the command line is read: a mistyped folder is one line at once, not after the
+    command has loaded torch (seconds)."""
+    from tformer_cli.run_folder import existing
+
+    return existing(path)
+
+
+RunArg = Annotated[Path, typer.Argument(help="Run folder (or a checkpoint folder inside it).", callback=_existing_run)]
 
 # decoding, for eval and generate
 BeamOpt = Annotated[Optional[int], typer.Option(

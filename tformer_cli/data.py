@@ -36,6 +36,23 @@ def pin_revision(cfg: DataConfig) -> DataConfig:
     return replace(cfg, revision=hub.commit_of(cfg.dataset, cfg.revision) or cfg.revision)
 
 
+def check_local_data(cfg: DataConfig, splits: list[str]) -> None:
+    """The mistakes in ``cfg``'s local data that reading nothing finds: a dataset folder, or a data file
+    of one of ``splits``, that is not there (or is no file, or is empty). Training checks them before torch
+    and the data's child process load, which takes seconds before ``read_pairs`` would say the same.
+
+    Raises:
+        DataError: as ``read_pairs`` raises it.
+    """
+    if cfg.data_files:
+        for split in splits:
+            if split not in cfg.data_files:
+                raise _missing_split("data.data_files", split, list(cfg.data_files), cfg)
+            _check_files(data_file_names(cfg.data_files[split], cfg.format))
+    elif cfg.dataset and is_local_name(cfg.dataset) and not Path(cfg.dataset).expanduser().exists():
+        raise _no_folder(cfg.dataset)
+
+
 def load_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
     """The (source, target) texts of one split, trimmed to ``max_samples``, as Python strings (for the
     splits that are evaluated; ``read_pairs`` reads a training split of millions a slice at a time).
@@ -313,6 +330,11 @@ def _missing_split(what: str, split: str, found: list[str], cfg: DataConfig) -> 
                      f"data.train_split / validation_split / test_split in training{no_validation}, --split with eval")
 
 
+def _no_folder(name: str) -> DataError:
+    return DataError(f"data.dataset: no such folder '{name}'; check the path (relative paths start from the current "
+                     "directory), or evaluate other files with eval --data-files")
+
+
 def _load_named(name: str, subset: str | None, revision: str | None):
     """The splits of a hub dataset (at ``revision``) or a local dataset folder."""
     import datasets
@@ -320,8 +342,7 @@ def _load_named(name: str, subset: str | None, revision: str | None):
     datasets.disable_progress_bars()
     local = Path(name).exists()
     if not local and is_local_name(name):
-        raise DataError(f"data.dataset: no such folder '{name}'; check the path (relative paths start "
-                        "from the current directory), or evaluate other files with eval --data-files")
+        raise _no_folder(name)
     if local and revision:
         raise DataError(f"data.revision: selects a version of a hub dataset, and '{name}' is a local folder; "
                         "remove data.revision")

@@ -1,4 +1,5 @@
-"""What a run folder may hold: tformer's marker, and the files tformer writes there (see runtime.py).
+"""What a run folder may hold: tformer's marker, and the files tformer writes there (see runtime.py);
+where a command finds a run's checkpoints and weights (without torch, so that a mistake is said at once).
 
 ``--overwrite`` deletes a folder only when it carries the marker and holds nothing but these files,
 so a mistyped ``--output-dir`` can never cost a user their own files.
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from tformer_cli.errors import UsageError
+from tformer_cli.errors import CheckpointError, UsageError
 from tformer_cli.files import final_name, write_text_atomic
 from tformer_cli.tokenizer import JOINT_FILE, SOURCE_FILE, TARGET_FILE
 
@@ -165,3 +166,62 @@ def _foreign_checkpoints(folder: Path) -> list[Path]:
 def _is_own_file(path: Path, names: set[str]) -> bool:
     own_name = (final_name(path.name) or path.name) in names or _WRITERS_TEMPORARY.fullmatch(path.name)
     return bool(own_name) and path.is_file() and not path.is_symlink()
+
+
+def step_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete step checkpoints, oldest first (temporary folders of interrupted writes are ignored)."""
+    folder = Path(run_dir) / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("step-*") if (p / WEIGHTS).is_file() and (p / TRAINER).is_file())
+
+
+def existing(path: Path | str) -> Path:
+    """``path``, which a command reads a run from, where it exists.
+
+    Raises:
+        CheckpointError: nothing is there.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such run folder; train one with `tformer train CONFIG`")
+    return path
+
+
+def find_weights(path: Path) -> tuple[Path, Path]:
+    """(run folder, weights file) for a run folder, a checkpoint folder in it, or a weights file."""
+    path = existing(path)
+    if path.is_file():
+        return run_folder_of(path.parent), path
+    if (path / CONFIG).is_file():
+        if (path / WEIGHTS).is_file():
+            return path, path / WEIGHTS
+        steps = step_checkpoints(path)
+        if steps:
+            return path, steps[-1] / WEIGHTS
+        raise CheckpointError(f"{path}: the run has no weights yet; train it first (tformer train --resume {path})")
+    if (path / WEIGHTS).is_file():
+        return run_folder_of(path), path / WEIGHTS
+    try:
+        inside = sorted(folder.name for folder in path.iterdir() if (folder / WEIGHTS).is_file())
+    except OSError:  # unreadable: said below as well as it can be
+        inside = []
+    if inside:
+        raise CheckpointError(f"{path}: a folder of checkpoints, not one; name one of them ({', '.join(inside[-3:])}) "
+                              "or the run folder")
+    raise CheckpointError(f"{path}: neither a run folder nor a checkpoint (no config.yaml or {WEIGHTS})")
+
+
+def run_folder_of(folder: Path) -> Path:
+    """The run folder that ``folder`` is (or is a checkpoint inside)."""
+    run = owning_run(folder)
+    if run is None:
+        raise CheckpointError(f"{folder}: not a run folder (no config.yaml), nor a checkpoint inside one; pass the "
+                              "folder `tformer train` wrote, e.g. runs/demo")
+    return run
+
+
+def owning_run(folder: Path) -> Path | None:
+    """The run folder that ``folder`` is or lies in, as eval and generate find it: ``folder``, its parent
+    or theirs, the first with a config.yaml; None where there is none."""
+    return next((run for run in (folder, folder.parent, folder.parent.parent) if (run / CONFIG).is_file()), None)

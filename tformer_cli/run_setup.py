@@ -27,11 +27,10 @@ from tformer_cli.params import TRAINING_BYTES_PER_PARAMETER, table_bytes, total_
 from tformer_cli.parallel import Workers, distribute, gathered, load_optimizer_state, shard_like
 from tformer_cli.preparing import prepare_apart, worth_preparing_apart
 from tformer_cli.render import human_bytes
-from tformer_cli.run_folder import METRICS, WEIGHTS
+from tformer_cli.run_folder import METRICS, WEIGHTS, step_checkpoints
 from tformer_cli.run_writer import RunWriter, writes_in_background
 from tformer_cli.runtime import (
-    load_trainer_state, load_weights, save_run_files, seed_everything, set_rng_state, skipping_random_init,
-    step_checkpoints)
+    load_trainer_state, load_weights, save_run_files, seed_everything, set_rng_state, skipping_random_init)
 from tformer_cli.segmentation import Segmentation, Segmentations, draws_ahead, read_segmentation
 from tformer_cli.tensorboard import TensorBoard
 from tformer_cli.tokenizer import PAD_ID, Vocabulary

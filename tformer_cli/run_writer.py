@@ -26,8 +26,8 @@ from torch.utils._pytree import tree_map_only
 
 from tformer_cli.errors import CheckpointError
 from tformer_cli.files import WriteFailed
-from tformer_cli.run_folder import start_again
-from tformer_cli.runtime import step_checkpoints, unwrapped
+from tformer_cli.run_folder import start_again, step_checkpoints
+from tformer_cli.runtime import unwrapped
 
 
 def writes_in_background(device: torch.device) -> bool:

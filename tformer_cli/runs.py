@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from tformer_cli.config import Config, load_config
-from tformer_cli.data import pin_revision
+from tformer_cli.data import check_local_data, pin_revision
 from tformer_cli.data_paths import absolute_paths
-from tformer_cli.devices import resolve_device
 from tformer_cli.errors import CheckpointError, Interrupted, UsageError
-from tformer_cli.run_folder import CONFIG, MARKER, WEIGHTS, check_not_held, foreign_files, is_marked, start_again
-from tformer_cli.runtime import step_checkpoints
+from tformer_cli.run_folder import (
+    CONFIG, MARKER, WEIGHTS, check_not_held, foreign_files, is_marked, start_again, step_checkpoints)
 
 
 def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[str], output_dir: Path | None,
@@ -34,6 +33,7 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
         UsageError: neither or both of config and resume, a device that is not there (checked before
             anything is cleared), or a new run would overwrite an old one.
         CheckpointError: ``resume`` is not a run folder that ``tformer train`` started.
+        DataError: a local dataset folder or data file that is not there (``check_local_data``).
     """
     if (config_path is None) == (resume is None):
         raise UsageError("give either a CONFIG to start a run or --resume RUN_FOLDER to continue one")
@@ -50,6 +50,9 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
         config = load_config(config_path, overrides)
         run_dir = Path(output_dir or config.train.output_dir or Path("runs") / config.name)
     config.train.device = device or config.train.device  # recorded in the run's config.yaml
+    check_local_data(config.data, [split for split in (config.data.train_split, config.data.validation_split) if split])
+    from tformer_cli.devices import resolve_device  # torch loads here (seconds): after the checks that need none
+
     resolve_device(config.train.device, "--device" if device else "train.device")
     if resume is None and main:
         _clear_for_new_run(run_dir, overwrite)

@@ -37,7 +37,8 @@ from tformer_cli.ensemble import Ensemble
 from tformer_cli.errors import CheckpointError, UsageError, first_line
 from tformer_cli.files import read_jsonl, replacing, write_text_atomic
 from tformer_cli.run_folder import (
-    CHECKPOINTS, CONFIG, METRICS, TRAINER, WEIGHTS, is_average_folder, mark_run_folder, remove_checkpoint)
+    CHECKPOINTS, CONFIG, METRICS, TRAINER, WEIGHTS, find_weights, is_average_folder, mark_run_folder, owning_run,
+    remove_checkpoint, step_checkpoints)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
 
@@ -122,14 +123,6 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, trainer_st
     return final
 
 
-def step_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete step checkpoints, oldest first (temporary folders of interrupted writes are ignored)."""
-    folder = Path(run_dir) / CHECKPOINTS
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.glob("step-*") if (p / WEIGHTS).is_file() and (p / TRAINER).is_file())
-
-
 def load_trainer_state(checkpoint: Path | str) -> dict[str, Any]:
     """Optimizer, step and RNG state, read as plain tensors and containers only (``weights_only``): a
     run folder from elsewhere cannot run code when it is resumed, as the weights are safetensors."""
@@ -175,47 +168,6 @@ class LoadedRun:
     config: Config
     vocab: Vocabulary
     model: torch.nn.Module
-
-
-def find_weights(path: Path) -> tuple[Path, Path]:
-    """(run folder, weights file) for a run folder, a checkpoint folder in it, or a weights file."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such run folder; train one with `tformer train CONFIG`")
-    if path.is_file():
-        return run_folder_of(path.parent), path
-    if (path / CONFIG).is_file():
-        if (path / WEIGHTS).is_file():
-            return path, path / WEIGHTS
-        steps = step_checkpoints(path)
-        if steps:
-            return path, steps[-1] / WEIGHTS
-        raise CheckpointError(f"{path}: the run has no weights yet; train it first (tformer train --resume {path})")
-    if (path / WEIGHTS).is_file():
-        return run_folder_of(path), path / WEIGHTS
-    try:
-        inside = sorted(folder.name for folder in path.iterdir() if (folder / WEIGHTS).is_file())
-    except OSError:  # unreadable: said below as well as it can be
-        inside = []
-    if inside:
-        raise CheckpointError(f"{path}: a folder of checkpoints, not one; name one of them ({', '.join(inside[-3:])}) "
-                              "or the run folder")
-    raise CheckpointError(f"{path}: neither a run folder nor a checkpoint (no config.yaml or {WEIGHTS})")
-
-
-def run_folder_of(folder: Path) -> Path:
-    """The run folder that ``folder`` is (or is a checkpoint inside)."""
-    run = owning_run(folder)
-    if run is None:
-        raise CheckpointError(f"{folder}: not a run folder (no config.yaml), nor a checkpoint inside one; pass the "
-                              "folder `tformer train` wrote, e.g. runs/demo")
-    return run
-
-
-def owning_run(folder: Path) -> Path | None:
-    """The run folder that ``folder`` is or lies in, as eval and generate find it: ``folder``, its parent
-    or theirs, the first with a config.yaml; None where there is none."""
-    return next((run for run in (folder, folder.parent, folder.parent.parent) if (run / CONFIG).is_file()), None)
 
 
 class skipping_random_init(TorchFunctionMode):

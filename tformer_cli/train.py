@@ -26,12 +26,11 @@ from tformer_cli.kernel_warmup import build_training_kernels
 from tformer_cli.optim import cosine_horizon, learning_rate
 from tformer_cli.packing import training_batch
 from tformer_cli.parallel import Workers, gathered, gradient_sync, local, optimizer_state
-from tformer_cli.run_folder import CHECKPOINTS, WEIGHTS, holding
+from tformer_cli.run_folder import CHECKPOINTS, WEIGHTS, holding, step_checkpoints
 from tformer_cli.run_setup import Callback, Setup, TrainState
 from tformer_cli.run_writer import writing
 from tformer_cli.runs import StopSignals
-from tformer_cli.runtime import (checkpoint_folder, rng_state, save_checkpoint, save_run_files, save_weights,
-                                 step_checkpoints)
+from tformer_cli.runtime import checkpoint_folder, rng_state, save_checkpoint, save_run_files, save_weights
 from tformer_cli.tensorboard import check_available as check_tensorboard
 from tformer_cli.train_plan import Plan, plan_run
 
