@@ -501,9 +501,13 @@ def test_mistakes_that_need_nothing_loaded_are_found_before_torch_loads(tmp_path
         ["generate", str(tmp_path / "run"), "seven", "--beam-size", "0"],
         ["generate", str(tmp_path / "run"), "seven", "--sample", "--beam-size", "2"],
         ["inspect-attention", str(tmp_path / "missing"), "seven"],
+        ["inspect-attention", str(tmp_path / "run"), "seven", "--save", str(tmp_path / "maps.jpg")],
         ["average", str(tmp_path / "missing"), "--last", "2"],
         ["plot", str(tmp_path / "missing")],
+        ["plot", str(tmp_path / "run")],  # no metrics.jsonl
+        ["plot", str(tmp_path / "run"), "--output", str(tmp_path / "curves.jpg")],
         ["export", str(tmp_path / "missing"), str(tmp_path / "out")],
+        ["export", str(tmp_path / "run"), str(tmp_path / "out"), "--to", "onnx"],
     ]
     result = subprocess.run([sys.executable, "-c", _BEFORE_TORCH, json.dumps(mistakes)], capture_output=True,
                             text=True, env={**os.environ, "TFORMER_CACHE": str(tmp_path / "cache")})
@@ -511,3 +515,12 @@ def test_mistakes_that_need_nothing_loaded_are_found_before_torch_loads(tmp_path
     assert result.returncode == 0 and len(errors) == len(mistakes), result.stderr[-3000:]
     assert json.loads(result.stdout) == [[1, False]] * len(mistakes), list(zip(errors, result.stdout))
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_plot_draws_a_runs_curves_without_loading_torch(tmp_path, trained_run):
+    image = tmp_path / "curves.png"
+    result = subprocess.run([sys.executable, "-c", _BEFORE_TORCH, json.dumps([["plot", str(trained_run), "--output",
+                                                                             str(image)]])],
+                            capture_output=True, text=True)
+    assert json.loads(result.stdout.splitlines()[-1]) == [[0, False]], result.stderr[-3000:]
+    assert image.read_bytes().startswith(b"\x89PNG")

@@ -165,7 +165,7 @@ def test_training_logs_model_flops_and_their_share_of_the_measured_peak(tmp_path
     from tformer_cli.data import read_pairs
     from tformer_cli.params import train_flops_per_token
     from tformer_cli.devices import matmul_peak, resident_mib
-    from tformer_cli.runtime import read_metrics
+    from tformer_cli.run_folder import read_metrics
 
     config = load_config(write_config(tmp_path / "f.yaml", train={"max_steps": 4, "log_every": 2}))
     peak_before = resident_mib(peak=True)

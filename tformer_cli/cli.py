@@ -143,17 +143,17 @@ def inspect_attention(
       tformer inspect-attention runs/demo "three hundred forty-two" --layer 2 --head all
       tformer inspect-attention runs/demo "twenty-one" --kind encoder --save attention.png
     """
+    check_image_name("--save", save)
+    check_text("SOURCE", source)
+    check_text("--target", target)
     from rich.text import Text
 
-    from tformer_cli.devices import resolve_device
+    from tformer_cli.devices import resolve_device  # torch loads here (seconds): after the checks that need none
     from tformer_cli.introspect import capture_attention, maps_to_json, select_maps
     from tformer_cli.render import console, print_json, warn
     from tformer_cli.render_attention import print_maps, save_image, unlabelled_warning
     from tformer_cli.runtime import load_run
 
-    check_image_name("--save", save)
-    check_text("SOURCE", source)
-    check_text("--target", target)
     loaded = load_run(run, resolve_device(device or "auto"))
     capture = capture_attention(loaded.model, loaded.vocab, source, target)
     maps = select_maps(capture, kind, layer, head)  # a mistake in --kind, --layer or --head: one line, no warning
@@ -218,12 +218,12 @@ def plot(
     [dim]Examples:[/]
       tformer plot runs/demo --output curves.png
     """
-    from tformer_cli.render import console, print_json
-    from tformer_cli.render_curves import plot_curves
-    from tformer_cli.runtime import read_metrics
-
     path = output or Path(run) / "curves.png"
     check_image_name("--output", path)
+    from tformer_cli.render import console, print_json
+    from tformer_cli.render_curves import plot_curves
+    from tformer_cli.run_folder import read_metrics
+
     records = read_metrics(run)
     if not any(r.get("split") in ("train", "validation") for r in records):
         raise CheckpointError(f"{run}: metrics.jsonl holds no training or validation figures yet; train logs them "
@@ -257,16 +257,16 @@ def export(
       tformer export runs/multi30k runs/multi30k-hf --push-to-hub me/multi30k-de-en
       tformer export runs/multi30k runs/multi30k-ct2 --to ctranslate2 --quantization int8
     """
-    from tformer_cli.export import export_ctranslate2, export_hf, push
-    from tformer_cli.render import console, print_json
-    from tformer_cli.runtime import load_run
-
     if to not in ("hf", "ctranslate2"):
         raise UsageError(f"--to {to}: expected hf (a Hugging Face MarianMTModel folder) or ctranslate2")
     if quantization is not None and to != "ctranslate2":
         raise UsageError(f"--quantization {quantization}: only --to ctranslate2 quantizes")
     if push_to_hub and to != "hf":
         raise UsageError("--push-to-hub: only --to hf exports a Hub model")
+    from tformer_cli.export import export_ctranslate2, export_hf, push  # torch loads here: after the checks
+    from tformer_cli.render import console, print_json
+    from tformer_cli.runtime import load_run
+
     loaded = load_run(run, "cpu", accel="off")
     if to == "hf":
         folder = export_hf(loaded.model, loaded.config, loaded.vocab, out)

@@ -14,10 +14,10 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from tformer_cli.errors import CheckpointError, UsageError
-from tformer_cli.files import final_name, write_text_atomic
+from tformer_cli.files import final_name, read_jsonl, write_text_atomic
 from tformer_cli.tokenizer import JOINT_FILE, SOURCE_FILE, TARGET_FILE
 
 MARKER = ".tformer-run"  # written first, when tformer creates a run folder
@@ -166,6 +166,14 @@ def _foreign_checkpoints(folder: Path) -> list[Path]:
 def _is_own_file(path: Path, names: set[str]) -> bool:
     own_name = (final_name(path.name) or path.name) in names or _WRITERS_TEMPORARY.fullmatch(path.name)
     return bool(own_name) and path.is_file() and not path.is_symlink()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl, a record a line."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        raise CheckpointError(f"{run_dir}: no {METRICS}; is this a run folder written by `tformer train`?")
+    return read_jsonl(path)
 
 
 def step_checkpoints(run_dir: Path) -> list[Path]:

@@ -35,9 +35,9 @@ from torch.overrides import TorchFunctionMode
 from tformer_cli.config import Config, load_config, to_yaml
 from tformer_cli.ensemble import Ensemble
 from tformer_cli.errors import CheckpointError, UsageError, first_line
-from tformer_cli.files import read_jsonl, replacing, write_text_atomic
+from tformer_cli.files import replacing, write_text_atomic
 from tformer_cli.run_folder import (
-    CHECKPOINTS, CONFIG, METRICS, TRAINER, WEIGHTS, find_weights, is_average_folder, mark_run_folder, owning_run,
+    CHECKPOINTS, CONFIG, TRAINER, WEIGHTS, find_weights, is_average_folder, mark_run_folder, owning_run, read_metrics,
     remove_checkpoint, step_checkpoints)
 from tformer_cli.tokenizer import PAD_ID, Vocabulary
 
@@ -215,13 +215,6 @@ def load_ensemble(paths: list[Path], device: torch.device | str = "cpu", accel: 
             raise UsageError(f"--ensemble {other.run_dir}: its vocabulary differs from {first.run_dir}'s; ensembled "
                              "models must share one (e.g. runs trained on the same data and data.vocab_size)")
     return first, Ensemble([run.model for run in loaded])
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS
-    if not path.is_file():
-        raise CheckpointError(f"{run_dir}: no {METRICS}; is this a run folder written by `tformer train`?")
-    return read_jsonl(path)
 
 
 def choose_checkpoints(run_dir: Path, last: int | None = None, best: int | None = None,
