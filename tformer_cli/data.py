@@ -46,11 +46,18 @@ def check_local_data(cfg: DataConfig, splits: list[str]) -> None:
     """
     if cfg.data_files:
         for split in splits:
-            if split not in cfg.data_files:
-                raise _missing_split("data.data_files", split, list(cfg.data_files), cfg)
-            _check_files(data_file_names(cfg.data_files[split], cfg.format))
+            _split_files(cfg, split)
     elif cfg.dataset and is_local_name(cfg.dataset) and not Path(cfg.dataset).expanduser().exists():
         raise _no_folder(cfg.dataset)
+
+
+def _split_files(cfg: DataConfig, split: str) -> list[str]:
+    """The data files of ``split`` (``data.data_files``), each checked to be there, a file, and not empty."""
+    if split not in cfg.data_files:
+        raise _missing_split("data.data_files", split, list(cfg.data_files), cfg)
+    files = data_file_names(cfg.data_files[split], cfg.format)
+    _check_files(files)
+    return files
 
 
 def load_pairs(cfg: DataConfig, split: str) -> list[tuple[str, str]]:
@@ -71,10 +78,7 @@ def read_pairs(cfg: DataConfig, split: str) -> "ArrowPairs":
         DataError: the dataset, split, file or field cannot be found or read.
     """
     if cfg.data_files:
-        if split not in cfg.data_files:
-            raise _missing_split("data.data_files", split, list(cfg.data_files), cfg)
-        files = data_file_names(cfg.data_files[split], cfg.format)
-        _check_files(files)
+        files = _split_files(cfg, split)
         fmt = cfg.format if cfg.format != "auto" else _format_of(files)
     where = f"{', '.join(files) if cfg.data_files else cfg.dataset}: split '{split}'"
     try:
