@@ -11,7 +11,7 @@ import typer
 
 from tformer_cli.cli_options import (
     ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, JsonOpt, MaxTokensOpt, PrecisionOpt,
-    RunArg, check_decoding_flags, check_text, load_for_decoding)
+    RunArg, check_decoding_flags, check_decoding_setup, check_engine, check_text, load_for_decoding)
 from tformer_cli.errors import UsageError
 from tformer_cli.generate_input import check_prefix, input_batches
 
@@ -101,12 +101,11 @@ def eval_command(
                          epsilon=epsilon, seed=seed)
     check_mbr(mbr, mbr_metric, mbr_candidates)
     data_files = _check_data_files(data_files)
-    from tformer_cli.accel import check_mode  # torch loads here (seconds): after the checks that need none
-    from tformer_cli.decoding import DecodeOptions
+    check_decoding_setup(device, accel, precision)
+    from tformer_cli.decoding import DecodeOptions  # torch loads here (seconds): after the checks that need none
     from tformer_cli.devices import resolve_device, resolve_precision
     from tformer_cli.evaluation import evaluate_run
 
-    check_mode(accel)
     dev = resolve_device(device or "auto")
     precision = resolve_precision(precision, dev)  # auto: bf16 on a recent GPU, as training
     runs = ensemble_runs(run, ensemble)
@@ -232,15 +231,13 @@ def generate(
     check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
     _check_generate_flags(texts or [], prefix, sample, beam_size, mbr, mbr_candidates, json_input, min_len,
                           max_new_tokens)
-    from tformer_cli.accel import check_mode  # torch loads here (seconds): after the checks that need none
-    from tformer_cli.batching import sentences_per_batch
-    from tformer_cli.ctranslate2_engine import check_engine
+    check_decoding_setup(device, accel, precision)
+    check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
+    from tformer_cli.batching import sentences_per_batch  # torch loads here (seconds): after the checks that need none
     from tformer_cli.decoding import DecodeOptions
     from tformer_cli.devices import resolve_device, resolve_precision
     from tformer_cli.render import generation_lines
 
-    check_mode(accel)
-    check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
     dev = resolve_device(device or "auto")
     loaded, models, translate = _translator(engine, ensemble_runs(run, ensemble), dev, accel,
                                             resolve_precision(precision, dev))

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from tformer_cli.config import check_accel_mode, check_device_name
 from tformer_cli.errors import UsageError
 
 ADVANCED = "Advanced"  # the help panel of rarely used options
@@ -79,6 +80,35 @@ def check_decoding_flags(**flags) -> None:
             raise UsageError(f"--{name.replace('_', '-')} {value}: must be below 2^63")
 
 
+ENGINES = ("tformer", "ctranslate2")  # generate --engine
+
+
+def check_decoding_setup(device: str | None, accel: str, precision: str) -> None:
+    """--device, --accel and --precision of eval and generate, spelled as they can be (before torch loads)."""
+    if device is not None:
+        check_device_name(device)
+    check_accel_mode(accel)
+    check_precision(precision)
+
+
+def check_precision(precision: str) -> None:
+    """--precision's value: auto, fp32, bf16, fp16 or int8 (what each can run on is checked on the device)."""
+    if precision not in ("auto", "fp32", "bf16", "fp16", "int8"):
+        raise UsageError(f"--precision {precision}: use auto, fp32, bf16 or fp16 (or int8, int8 weights on a CPU)")
+
+
+def check_engine(engine: str, *, ensemble: bool, mbr: int, align: bool, epsilon: float | None) -> None:
+    """One-line errors for an unknown engine, or flags CTranslate2 has no counterpart for."""
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine}: expected {' or '.join(ENGINES)}")
+    if engine == "tformer":
+        return
+    for flag, given in (("--ensemble", ensemble), ("--mbr", mbr), ("--align", align), ("--epsilon", epsilon)):
+        if given:
+            raise UsageError(f"{flag} with --engine ctranslate2: {flag} is tformer's own; drop it, or decode "
+                             "with --engine tformer")
+
+
 def decoding_autocast(device, precision: str):
     """The --precision autocast context; warns when it would be slower than fp32 here."""
     from tformer_cli.devices import autocast, slow_precision
@@ -88,8 +118,7 @@ def decoding_autocast(device, precision: str):
         if device.type != "cpu":
             raise UsageError("--precision int8: int8 weights are for CPUs; on a GPU use --precision bf16")
         return autocast(device, "fp32")
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise UsageError(f"--precision {precision}: use auto, fp32, bf16 or fp16 (or int8, int8 weights on a CPU)")
+    check_precision(precision)
     amp = autocast(device, precision)
     slow = slow_precision(device, precision)
     if slow:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal, Optional
 import yaml
 
 from tformer_cli.config_parse import apply_override, build_sections, merge, origin, read_yaml, shown_key
-from tformer_cli.errors import ConfigError, brief
+from tformer_cli.errors import ConfigError, UsageError, brief
 
 
 @dataclass
@@ -202,6 +202,25 @@ class Config:
 
 
 MAX_VOCAB = 2**24  # far past any BPE vocabulary in use; the tokenizers library aborts the process near 10^9
+
+DEVICES = ("auto", "cpu", "cuda")  # train.device and --device
+ACCEL_MODES = ("auto", "off")  # train.accel and --accel
+
+
+def check_device_name(name: str, option: str = "--device") -> None:
+    """A one-line UsageError naming ``option`` for a device that is not auto, cpu or cuda; whether CUDA
+    is there is for ``devices.resolve_device`` to say, once torch has loaded."""
+    if re.fullmatch(r"cuda:\d+", name):  # torch's spelling of one GPU of several
+        raise UsageError(f"{option} {name}: give cuda, and pick the GPU with CUDA_VISIBLE_DEVICES={name[5:]}")
+    if name not in DEVICES:
+        raise UsageError(f"{option} {name}: expected auto, cpu or cuda")
+
+
+def check_accel_mode(mode: str, option: str = "--accel") -> None:
+    """A one-line UsageError for a speed-layer mode other than auto or off."""
+    if mode not in ACCEL_MODES:
+        raise UsageError(f"{option} {mode}: use auto (the speed layer where it pays) or off (the plain model)")
+
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "decode": DecodeConfig}
 

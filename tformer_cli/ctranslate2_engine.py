@@ -30,21 +30,8 @@ from tformer_cli.errors import UsageError
 from tformer_cli.runtime import LoadedRun
 from tformer_cli.tokenizer import NOT_OUTPUTS, SPECIALS
 
-ENGINES = ("tformer", "ctranslate2")
 COMPUTE_TYPES = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16", "fp16": "float16"}  # on a CPU
 GPU_COMPUTE_TYPES = {**COMPUTE_TYPES, "int8": "int8_float16"}  # int8 weights, fp16 activations
-
-
-def check_engine(engine: str, *, ensemble: bool, mbr: int, align: bool, epsilon: float | None) -> None:
-    """One-line errors for an unknown engine, or flags CTranslate2 has no counterpart for."""
-    if engine not in ENGINES:
-        raise UsageError(f"--engine {engine}: expected {' or '.join(ENGINES)}")
-    if engine == "tformer":
-        return
-    for flag, given in (("--ensemble", ensemble), ("--mbr", mbr), ("--align", align), ("--epsilon", epsilon)):
-        if given:
-            raise UsageError(f"{flag} with --engine ctranslate2: {flag} is tformer's own; drop it, or decode "
-                             "with --engine tformer")
 
 
 class CTranslate2Engine:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import re
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -15,20 +14,18 @@ from typing import Any
 import torch
 
 from tformer_cli.accel import gemm, ops
+from tformer_cli.config import check_device_name
 from tformer_cli.errors import UsageError
 
 
 def resolve_device(name: str = "auto", option: str = "--device") -> torch.device:
     """'auto' picks CUDA when available; asking for CUDA without it is a usage error naming ``option``,
     where the name came from (a config's train.device, say)."""
+    check_device_name(name, option)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"{option} cuda: no CUDA device is available; use --device cpu or auto")
-    if re.fullmatch(r"cuda:\d+", name):  # torch's spelling of one GPU of several
-        raise UsageError(f"{option} {name}: give cuda, and pick the GPU with CUDA_VISIBLE_DEVICES={name[5:]}")
-    if name not in ("cpu", "cuda"):
-        raise UsageError(f"{option} {name}: expected auto, cpu or cuda")
     return torch.device(name)
 
 

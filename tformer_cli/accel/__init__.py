@@ -41,13 +41,13 @@ from tformer_cli.accel.dropout import FastDropout
 from tformer_cli.accel.gemm import build_kernels
 from tformer_cli.accel.int8 import quantize_int8
 from tformer_cli.accel.linear import FastFeedForward, FastLinear, build_decoding_kernels
+from tformer_cli.config import check_accel_mode
 from tformer_cli.errors import UsageError
 from tformer_cli.model.attention import ScaledDotProductAttention
 from tformer_cli.model.layers import PositionwiseFeedForward
 
-__all__ = ["MODES", "PIECES", "CUDA_PIECES", "accelerate", "build_decoding_kernels", "build_kernels", "check_mode",
+__all__ = ["PIECES", "CUDA_PIECES", "accelerate", "build_decoding_kernels", "build_kernels",
            "tune_runtime", "widen_kernel_cache"]
-MODES = ("auto", "off")
 # what ``skip`` may leave out, to measure each
 PIECES = ("linear", "gemm", "dropout", "attention", "runtime", "loss", "graphs")
 CUDA_PIECES = ("loss", "graphs")  # the pieces that act on a GPU; the others act on a CPU
@@ -57,12 +57,6 @@ CUDA_PIECES = ("loss", "graphs")  # the pieces that act on a GPU; the others act
 # counts; benchmarks/README.md, "train.compile on a CPU")
 MODULE_PIECES = ("linear", "dropout", "attention")
 ONEDNN_CACHE_CAPACITY = 4096  # a bf16 Multi30k run used ~1,700; each kernel holds ~0.5-2.5 MB
-
-
-def check_mode(mode: str, option: str = "--accel") -> None:
-    """A one-line UsageError for anything but auto or off (checked at start-up, before any work)."""
-    if mode not in MODES:
-        raise UsageError(f"{option} {mode}: use auto (the speed layer where it pays) or off (the plain model)")
 
 
 def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
@@ -75,7 +69,7 @@ def accelerate(model: nn.Module, device: torch.device | str, mode: str = "auto",
     (a model that ``train.compile`` compiles) leaves out the modules of ``MODULE_PIECES``. The
     switches of the oneDNN products (CPU), the fused loss and the decoding graphs (CUDA) are the
     process's, one set per kind of device: the model last accelerated for a kind of device sets them."""
-    check_mode(mode)
+    check_accel_mode(mode)
     unknown = set(skip) - set(PIECES)
     if unknown:
         raise UsageError(f"accel pieces {', '.join(sorted(unknown))}: choose from {', '.join(PIECES)}")
