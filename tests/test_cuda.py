@@ -98,13 +98,14 @@ def test_cuda_model_matches_cpu_and_cached_decoding_matches():
         assert [h[0].tokens for h in on_gpu] == [h[0].tokens for h in on_cpu]
 
 
+@pytest.mark.parametrize("positional", ["sinusoidal", "rope", "alibi"])  # added to the embeddings, or in attention
 @pytest.mark.parametrize("beams", [1, 4])  # greedy search, beam search
 @pytest.mark.parametrize("precision", ["fp64", "bf16"])
-def test_decoding_replayed_as_cuda_graphs_equals_the_plain_loop(precision, beams, monkeypatch):
+def test_decoding_replayed_as_cuda_graphs_equals_the_plain_loop(precision, beams, positional, monkeypatch):
     from test_graphs import _model, _sources
     from tformer_cli.accel import graphs
 
-    model = _model(1).cuda()
+    model = _model(1, positional=positional).cuda()
     if precision == "bf16":  # peaked distributions: bf16 rounding must not flip an argmax
         model.float()
         with torch.no_grad():

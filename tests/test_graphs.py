@@ -57,6 +57,8 @@ def _both(model, src, options):
     {"norm": "pre", "activation": "gelu"},
     {"positional": "learned", "attention_bias": True},
     {"share_embeddings": "none", "num_decoder_layers": 3},
+    {"positional": "rope"},
+    {"positional": "alibi", "norm": "pre"},
 ])
 @pytest.mark.parametrize("min_len", [0, 3])
 def test_the_static_step_gives_the_plain_loops_tokens_lengths_and_scores(overrides, min_len):
@@ -118,6 +120,8 @@ def _beams(model, src, options):
     ({"norm": "pre", "activation": "gelu"}, 4, 0.6, 1),
     ({}, 5, 1.0, 2),
     ({"positional": "learned", "attention_bias": True}, 3, 0.6, 2),
+    ({"positional": "rope"}, 4, 0.6, 0),
+    ({"positional": "alibi"}, 3, 1.0, 1),
 ])
 def test_the_static_beam_step_finds_beam_searchs_best_hypotheses(overrides, beams, alpha, min_len):
     model, lengths = _model(4, **overrides), set()  # a seed whose beams end at many lengths
@@ -148,7 +152,7 @@ def test_the_static_beam_step_of_an_ensemble_finds_beam_searchs_best_hypotheses(
     assert [s for _, s, _ in graphed] == pytest.approx([s for _, s, _ in plain], rel=1e-9, abs=1e-9)
 
 
-def test_graphs_apply_only_to_plain_searches_on_a_gpu_with_positions_in_the_embeddings(monkeypatch):
+def test_graphs_apply_only_to_plain_searches_on_a_gpu(monkeypatch):
     model, src = _model(1), _sources()
     monkeypatch.setattr(graphs, "_enabled", True)
     on_gpu = torch.empty(0, device="meta")  # stands for a CUDA tensor: only ``is_cuda`` is read
@@ -162,8 +166,8 @@ def test_graphs_apply_only_to_plain_searches_on_a_gpu_with_positions_in_the_embe
     for plain_only in (DecodeOptions(no_repeat_ngram=3), DecodeOptions(align_layer=0),
                        DecodeOptions(beam_size=4, nbest=2)):
         assert not graphs.applies(Ensemble([model]), on_gpu, plain_only)
-    for positional in ("rope", "alibi"):
-        assert not graphs.applies(Ensemble([_model(1, positional=positional)]), on_gpu, greedy)
+    for positional in ("learned", "rope", "alibi"):  # every kind of positions steps at a tensor-held position
+        assert graphs.applies(Ensemble([model, _model(1, positional=positional)]), on_gpu, beams)
     assert not graphs.applies(Ensemble([model.train()]), on_gpu, greedy)
     monkeypatch.setattr(graphs, "_enabled", False)
     assert not graphs.applies(Ensemble([model.eval()]), on_gpu, greedy)

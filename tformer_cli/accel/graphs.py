@@ -20,11 +20,12 @@ compares them):
 - the host asks whether every sentence has finished only every ``CHECK_EVERY`` steps.
 
 The step itself is the model's own: its embedding, ``DecoderLayer`` modules, final norm and output
-projection, called with the cache above (``Decoders``). ``applies`` says when this path is taken: greedy
-or beam search without sampling, prefix, n-gram ban or alignment, with sinusoidal or learned positions,
-on a CUDA device, with the piece on (``accelerate`` sets it for CUDA in mode auto; ``--accel-skip
-graphs`` leaves it out). Elsewhere, and on a CPU, decoding takes the plain loops; so it does, after one
-warning, where a step cannot be recorded.
+projection, called with the cache above and the position as a tensor (``Decoders``: added to the
+embeddings, rotated into the queries and keys, or ALiBi's distance bias). ``applies`` says when this path
+is taken: greedy or beam search without sampling, prefix, n-gram ban or alignment, on a CUDA device,
+with the piece on (``accelerate`` sets it for CUDA in mode auto; ``--accel-skip graphs`` leaves it out).
+Elsewhere, and on a CPU, decoding takes the plain loops; so it does, after one warning, where a step
+cannot be recorded.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 from torch import Tensor
 
 from tformer_cli.ensemble import Ensemble, average_log_probs
+from tformer_cli.model.attention import RotaryEmbedding, distance_bias, rotate
 from tformer_cli.model.transformer import DecoderCache
 from tformer_cli.tokenizer import BOS_ID, EOS_ID, NOT_OUTPUTS
 
@@ -51,11 +53,9 @@ def enable(on: bool) -> None:
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether a model's decoder can step at a position held in a tensor: positions added to the
-    embeddings (sinusoidal or learned), not inside attention (rotary, ALiBi), and in eval mode."""
-    embed = model.decoder.embed
-    return (not model.training and model.rotary is None and model.slopes is None
-            and (embed.table is not None or embed.learned is not None))
+    """Whether a model's decoder steps here: in eval mode (every kind of positions steps at a position
+    held in a tensor: added to the embeddings, rotated into the queries and keys, or a distance bias)."""
+    return not model.training
 
 
 def applies(models: Ensemble, src: Tensor, options, prefix: Tensor | None = None) -> bool:
@@ -123,13 +123,21 @@ class Decoders:
 
     def _log_probs(self, model: torch.nn.Module, cache: DecoderCache) -> Tensor:
         """One model's decoder over the newest tokens at ``position``, attending to the cache slots
-        written so far and to the sources."""
+        written so far and to the sources: ``model.decode``'s step with the position as a tensor."""
         embed = model.decoder.embed
-        table = embed.table if embed.table is not None else embed.learned.weight
-        x = embed.embedding(self.last) * embed.scale + table.index_select(0, self.position)  # (rows, 1, d_model)
-        self_mask = (self.slots <= self.position)[None, None, None, :]  # (1, 1, 1, L)
+        x = embed.embedding(self.last) * embed.scale  # (rows, 1, d_model)
+        if embed.table is not None or embed.learned is not None:  # sinusoidal or learned positions
+            table = embed.table if embed.table is not None else embed.learned.weight
+            x = x + table.index_select(0, self.position)
+        written = self.slots <= self.position  # (L,)
+        if model.slopes is not None:  # ALiBi: the distance bias to the slots written
+            bias = distance_bias(model.slopes, self.position[:, None], self.slots[None, :])  # (H, 1, L)
+            self_mask = bias.masked_fill(~written, float("-inf"))[None]  # (1, H, 1, L)
+        else:
+            self_mask = written[None, None, None, :]  # (1, 1, 1, L)
+        rotary = _RotaryAt(model.rotary, self.position) if model.rotary is not None else None
         for layer, layer_cache in zip(model.decoder.layers, cache.layers):
-            x, _, _ = layer(x, None, self_mask, cache.memory_mask, is_causal=False, cache=layer_cache)
+            x, _, _ = layer(x, None, self_mask, cache.memory_mask, is_causal=False, cache=layer_cache, rotary=rotary)
         return model.logits(model.decoder.final_norm(x)[:, -1]).float().log_softmax(dim=-1)
 
     def advance(self, token: Tensor, origin: Tensor | None = None) -> None:
@@ -139,6 +147,17 @@ class Decoders:
                 layer.self_kv.reorder(origin)
         self.last.copy_(token[:, None])
         self.position += 1
+
+
+class _RotaryAt:
+    """A model's rotary embedding at the position held in a (1,) tensor: its tables read with
+    ``index_select`` rather than sliced at a Python int, which a recorded graph would keep fixed."""
+
+    def __init__(self, rotary: RotaryEmbedding, position: Tensor) -> None:
+        self.rotary, self.position = rotary, position
+
+    def __call__(self, x: Tensor, position: int = 0) -> Tensor:  # (rows, H, 1, d_k); ``position``: the plain path's
+        return rotate(x, self.rotary.cos.index_select(0, self.position), self.rotary.sin.index_select(0, self.position))
 
 
 class GreedyState:

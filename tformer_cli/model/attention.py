@@ -235,11 +235,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: Tensor, position: int = 0) -> Tensor:
         T = x.shape[-2]
-        cos = self.cos[position:position + T].to(x.dtype)  # (T, d_k / 2)
-        sin = self.sin[position:position + T].to(x.dtype)
-        x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, H, T, d_k / 2)
-        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-        return rotated.flatten(-2)  # (B, H, T, d_k)
+        return rotate(x, self.cos[position:position + T], self.sin[position:position + T])
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """(B, H, T, d_k) with each pair of channels rotated by the angles of ``cos``, ``sin`` (T, d_k / 2)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]  # (B, H, T, d_k / 2)
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2)  # (B, H, T, d_k)
 
 
 def alibi_slopes(num_heads: int) -> Tensor:
@@ -256,4 +260,9 @@ def alibi_bias(slopes: Tensor, t_q: int, t_k: int, offset: int = 0) -> Tensor:
     """(H, T_q, T_k) additive bias -slope * |i - j|; query i sits at position offset + i."""
     q_pos = torch.arange(offset, offset + t_q, device=slopes.device)[:, None]
     k_pos = torch.arange(t_k, device=slopes.device)[None, :]
+    return distance_bias(slopes, q_pos, k_pos)
+
+
+def distance_bias(slopes: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """(H,) slopes, query positions (T_q, 1) and key positions (1, T_k) -> (H, T_q, T_k) bias -slope * |i - j|."""
     return -slopes[:, None, None] * (q_pos - k_pos).abs()
