@@ -44,7 +44,9 @@
 #   1. base MFU 0.40 (~5 min: compiled from a cache, or ~7 cold; packed and packed with the bf16 stream cold):
 #      PROFILE_ARGS="--no-decode --baselines compiled,compiled-packed --experiments-compile packed
 #      --bf16-stream" gpu.sh profile
-#   2. decoding (~3 min), then what time is left: SIZES=base gpu.sh paper-decode tests
+#   2. decoding (~3 min), then what time is left: SIZES=base gpu.sh paper-decode tests; then how decoding
+#      scales with its batch (tformer alone, whether tformer eval's default of 256 hypotheses a batch
+#      leaves the GPU idle): PAPER_DECODE_ARGS='--peers= --paper-decode-tokens 32768' gpu.sh paper-decode
 #   3. a later lease: gpu.sh attention; --compile-attention explicit; PAPER_WORKLOADS=train SIZES=base
 #      PAPER_PEERS=torch,tformer-compile,tformer-compile-pack gpu.sh paper-train (if packing pays:
 #      train.pack_length: 128 in base.yaml and big.yaml); the real run, a lease of its own (~12 of its 15
@@ -147,9 +149,14 @@ paper-train() {
 }
 # Decoding 3,000 sentences takes seconds to minutes a system, so it gets 3 timed repetitions, and the
 # peers its target names (Hugging Face generate) and CTranslate2, not nn.Transformer's uncached loop.
+# $PAPER_DECODE_ARGS adds options of run.py, e.g. --peers= --paper-decode-tokens 32768 (tformer alone,
+# in batches of 4x the hypothesis tokens of tformer eval --max-tokens 8192)
 paper-decode() {
+    local tokens
+    tokens=$(sed -n 's/.*--paper-decode-tokens \([0-9]*\).*/-\1/p' <<< "${PAPER_DECODE_ARGS:-}")
     "$PYTHON" benchmarks/run.py --device cuda --scale paper --workloads greedy,beam --sizes "$SIZES" \
-        --json "$RESULTS/paper-decode-${SIZES/,/-}.json" --peers marian,ct2,ct2-int8 --repeats 3 --warmup 1
+        --json "$RESULTS/paper-decode-${SIZES/,/-}$tokens.json" --peers marian,ct2,ct2-int8 --repeats 3 --warmup 1 \
+        ${PAPER_DECODE_ARGS:-}
 }
 paper() { paper-train; paper-decode; }
 

@@ -72,7 +72,7 @@ def _now(device: torch.device) -> float:
 PRECISION = "fp32"  # set once by main(): every system runs under the same autocast
 PAPER: tuple[int, int, int] | None = None  # set by main() with --scale paper: (tokens a step, steps, sentences)
 # --scale paper decodes batches of at most this many hypothesis tokens (sentences x beams x longest
-# source), as `tformer eval --max-tokens 8192`
+# source), as `tformer eval --max-tokens 8192` (--paper-decode-tokens sets it)
 PAPER_DECODE_TOKENS = 8192
 PEER_ADAMW = "both"  # --peer-adamw: the peers train with plain and with fused AdamW, or "fused" only
 
@@ -200,7 +200,7 @@ def run_speed_fresh(workload: str, size: str, args: argparse.Namespace, peers: l
 def _scale_flags(args: argparse.Namespace) -> list[str]:
     """--scale and its sizes, for the fresh processes."""
     return ["--scale", args.scale, "--paper-tokens", str(args.paper_tokens), "--paper-steps", str(args.paper_steps),
-            "--paper-sentences", str(args.paper_sentences)]
+            "--paper-sentences", str(args.paper_sentences), "--paper-decode-tokens", str(args.paper_decode_tokens)]
 
 
 def _process_settings() -> None:
@@ -324,6 +324,7 @@ def print_table(records: list[dict], device: str, peak: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global PAPER_DECODE_TOKENS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", help=f"of {','.join(WORKLOADS)} (default: all; train,memory,greedy,beam with --scale paper)")
     parser.add_argument("--sizes", help="of small,base,big,host (default: small,base; base,big with --scale paper; "
@@ -334,6 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--paper-steps", type=at_least(1), default=6, help="different steps a repetition (--scale paper)")
     parser.add_argument("--paper-sentences", type=at_least(1), default=3000,
                         help="sentences to translate, greedy and beam (--scale paper)")
+    parser.add_argument("--paper-decode-tokens", type=at_least(1), default=PAPER_DECODE_TOKENS,
+                        help="hypothesis tokens a decoding batch, sentences x beams x longest source, as tformer "
+                             "eval --max-tokens (--scale paper)")
     parser.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                         help="peers to compare with; also tformer's variants tformer-int8 (--precision int8 "
                              "decoding, CPU only), tformer-compile (train.compile: true), "
@@ -374,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     global PRECISION
     PRECISION = systems.PRECISION = args.precision or ("bf16" if on_cuda else "fp32")
     global PAPER, PEER_ADAMW
-    PEER_ADAMW = args.peer_adamw
+    PEER_ADAMW, PAPER_DECODE_TOKENS = args.peer_adamw, args.paper_decode_tokens
     PAPER = (args.paper_tokens, args.paper_steps, args.paper_sentences) if paper else None
     systems.ACCEL = args.accel
     systems.ACCEL_SKIP = tuple(piece for piece in args.accel_skip.split(",") if piece)
@@ -397,6 +401,8 @@ def main(argv: list[str] | None = None) -> None:
     records: list[dict] = []
     meta = {"device": args.device, "precision": PRECISION, "accel": args.accel,
             "accel_skip": list(systems.ACCEL_SKIP), "matmul_peak_flops": peak, "torch": torch.__version__}
+    if PAPER is not None:
+        meta["paper"] = dict(zip(("tokens", "steps", "sentences", "decode_tokens"), (*PAPER, PAPER_DECODE_TOKENS)))
 
     def save() -> None:  # after every workload and size: a run cut short by a time limit keeps what it measured
         add_ratios(records)
