@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import math
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
@@ -203,8 +204,9 @@ class Config:
 
 MAX_VOCAB = 2**24  # far past any BPE vocabulary in use; the tokenizers library aborts the process near 10^9
 
-DEVICES = ("auto", "cpu", "cuda")  # train.device and --device
-ACCEL_MODES = ("auto", "off")  # train.accel and --accel
+_TRAIN_TYPES = typing.get_type_hints(TrainConfig)
+DEVICES = typing.get_args(_TRAIN_TYPES["device"])  # ("auto", "cpu", "cuda"): train.device and --device
+ACCEL_MODES = typing.get_args(_TRAIN_TYPES["accel"])  # ("auto", "off"): train.accel and --accel
 
 
 def check_device_name(name: str, option: str = "--device") -> None:
