@@ -20,7 +20,6 @@ from tformer_cli.cli_decode import eval_command, generate
 from tformer_cli.cli_options import (
     ADVANCED, DecodeDeviceOpt, DeviceOpt, JsonOpt, NnodesOpt, NprocOpt, QuietOpt, RdzvOpt, RunArg, SetOpt,
     check_image_name, check_text)
-from tformer_cli.config import check_device_name
 from tformer_cli.errors import CheckpointError, Interrupted, UsageError
 from tformer_cli.launch import (
     check_torchrun_environment, launch_training, launched, launched_rank, quieten_torch, training_group)
@@ -147,8 +146,6 @@ def inspect_attention(
     check_image_name("--save", save)
     check_text("SOURCE", source)
     check_text("--target", target)
-    if device is not None:
-        check_device_name(device)
     from rich.text import Text
 
     from tformer_cli.devices import resolve_device  # torch loads here (seconds): after the checks that need none

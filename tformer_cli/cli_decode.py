@@ -11,7 +11,7 @@ import typer
 
 from tformer_cli.cli_options import (
     ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, JsonOpt, MaxTokensOpt, PrecisionOpt,
-    RunArg, check_decoding_flags, check_decoding_setup, check_engine, check_text, load_for_decoding)
+    RunArg, check_decoding_flags, check_engine, check_text, load_for_decoding)
 from tformer_cli.errors import UsageError
 from tformer_cli.generate_input import check_prefix, input_batches
 
@@ -101,7 +101,6 @@ def eval_command(
                          epsilon=epsilon, seed=seed)
     check_mbr(mbr, mbr_metric, mbr_candidates)
     data_files = _check_data_files(data_files)
-    check_decoding_setup(device, accel, precision)
     from tformer_cli.decoding import DecodeOptions  # torch loads here (seconds): after the checks that need none
     from tformer_cli.devices import resolve_device, resolve_precision
     from tformer_cli.evaluation import evaluate_run
@@ -231,7 +230,6 @@ def generate(
     check_mbr(mbr, mbr_metric, mbr_candidates, nbest)
     _check_generate_flags(texts or [], prefix, sample, beam_size, mbr, mbr_candidates, json_input, min_len,
                           max_new_tokens)
-    check_decoding_setup(device, accel, precision)
     check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
     from tformer_cli.batching import sentences_per_batch  # torch loads here (seconds): after the checks that need none
     from tformer_cli.decoding import DecodeOptions

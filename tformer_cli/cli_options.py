@@ -19,10 +19,19 @@ ADVANCED = "Advanced"  # the help panel of rarely used options
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option(
     "--set", metavar="SECTION.KEY=VALUE", help="Override a config key, e.g. --set train.lr=3e-4 (repeatable).")]
+
+
+def _device_name(name: str | None) -> str | None:
+    """--device, spelled-checked as the command line is read (whether CUDA is there needs torch)."""
+    if name is not None:
+        check_device_name(name)
+    return name
+
+
 DeviceOpt = Annotated[Optional[str], typer.Option(
-    "--device", help="auto | cpu | cuda (default: the config's train.device).")]
+    "--device", help="auto | cpu | cuda (default: the config's train.device).", callback=_device_name)]
 DecodeDeviceOpt = Annotated[Optional[str], typer.Option(
-    "--device", help="auto | cpu | cuda (default auto: a GPU where there is one).")]
+    "--device", help="auto | cpu | cuda (default auto: a GPU where there is one).", callback=_device_name)]
 NprocOpt = Annotated[Optional[str], typer.Option(
     "--nproc-per-node", metavar="N|gpu", help="Train with N processes on this machine, one a GPU (train.parallel: "
     "ddp or fsdp), as torchrun --standalone --nproc-per-node N does; gpu: one for each GPU it sees.")]
@@ -55,13 +64,25 @@ MaxTokensOpt = Annotated[Optional[int], typer.Option(
     help="Decode batches of at most this many hypothesis tokens (sentences x beam x longest source), as "
          "fairseq's --max-tokens (default: config's decode.max_tokens).", rich_help_panel=ADVANCED)]
 AlphaOpt = Annotated[Optional[float], typer.Option(help="GNMT length penalty alpha.", rich_help_panel=ADVANCED)]
+
+
+def _accel_mode(mode: str) -> str:
+    check_accel_mode(mode)
+    return mode
+
+
+def _precision(precision: str) -> str:
+    check_precision(precision)
+    return precision
+
+
 AccelOpt = Annotated[str, typer.Option(
     help="auto | off: tformer's speed layer (faster CPU kernels; on GPUs, decoding as CUDA graphs with the model "
-         "held in bf16 under --precision bf16), or the plain model.", rich_help_panel=ADVANCED)]
+         "held in bf16 under --precision bf16), or the plain model.", rich_help_panel=ADVANCED, callback=_accel_mode)]
 PrecisionOpt = Annotated[str, typer.Option(
     help="auto | fp32 | bf16 | fp16: autocast while decoding (bf16 is fast on GPUs and on CPUs with AVX-512 BF16 or "
          "AMX); int8: int8 weights on a CPU. auto: bf16 on a GPU with bf16 tensor cores (A100, H100), fp32 elsewhere.",
-    rich_help_panel=ADVANCED)]
+    rich_help_panel=ADVANCED, callback=_precision)]
 
 
 def check_decoding_flags(**flags) -> None:
@@ -81,14 +102,6 @@ def check_decoding_flags(**flags) -> None:
 
 
 ENGINES = ("tformer", "ctranslate2")  # generate --engine
-
-
-def check_decoding_setup(device: str | None, accel: str, precision: str) -> None:
-    """--device, --accel and --precision of eval and generate, spelled as they can be (before torch loads)."""
-    if device is not None:
-        check_device_name(device)
-    check_accel_mode(accel)
-    check_precision(precision)
 
 
 def check_precision(precision: str) -> None:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tformer_cli.config import Config, check_device_name, load_config
+from tformer_cli.config import Config, load_config
 from tformer_cli.data import check_local_data, pin_revision
 from tformer_cli.data_paths import absolute_paths
 from tformer_cli.errors import CheckpointError, Interrupted, UsageError
@@ -49,8 +49,6 @@ def prepare_run(config_path: Path | None, resume: Path | None, overrides: list[s
     else:
         config = load_config(config_path, overrides)
         run_dir = Path(output_dir or config.train.output_dir or Path("runs") / config.name)
-    if device is not None:
-        check_device_name(device)
     config.train.device = device or config.train.device  # recorded in the run's config.yaml
     check_local_data(config.data, [split for split in (config.data.train_split, config.data.validation_split) if split])
     from tformer_cli.devices import resolve_device  # torch loads here (seconds): after the checks that need none
