@@ -34,8 +34,10 @@ $(STAMP): pyproject.toml $(TORCH_STAMP)
 
 install: $(STAMP) ## Create .venv and install tformer with test tools (TORCH=..., TORCH_INDEX=... pick torch)
 
-test: $(STAMP) ## Run the test suite
-	$(BIN)/pytest
+# the suite's tests shared among one process per core (pytest-xdist); TEST_JOBS=0 runs them in one process
+TEST_JOBS ?= auto
+test: $(STAMP) ## Run the test suite (TEST_JOBS=N processes; default one per core)
+	$(BIN)/pytest -n $(TEST_JOBS)
 
 test-slow: $(STAMP) ## Run the slow tests: several processes, kills (a few minutes)
 	$(BIN)/pytest -m slow

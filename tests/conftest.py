@@ -10,7 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # datasets reads its cache folder once, when imported: the tables of the tests' data go to a temporary
 # folder (removed at the end), not the user's ~/.cache/huggingface/datasets
 HF_DATASETS_CACHE = os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="tformer-tests-datasets-")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# two threads a test (tiny models gain nothing from more), and no more than the cores shared among the
+# processes that `make test` runs the suite in (pytest-xdist's workers)
+torch.set_num_threads(max(1, min(2, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))))
 
 
 @pytest.fixture(autouse=True)
