@@ -37,7 +37,7 @@ install: $(STAMP) ## Create .venv and install tformer with test tools (TORCH=...
 # the suite's tests shared among one process per core (pytest-xdist); TEST_JOBS=0 runs them in one process
 TEST_JOBS ?= auto
 test: $(STAMP) ## Run the test suite (TEST_JOBS=N processes; default one per core)
-	$(BIN)/pytest -n $(TEST_JOBS)
+	$(BIN)/pytest -n $(TEST_JOBS) --dist worksteal
 
 test-slow: $(STAMP) ## Run the slow tests: several processes, kills (a few minutes)
 	$(BIN)/pytest -m slow
