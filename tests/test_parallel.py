@@ -22,9 +22,12 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 
 def _torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
+    """tformer under torchrun; a process that crashes (SIGSEGV, SIGABRT) prints its Python stack, which
+    the failed assertion shows (torchrun alone says only "Signal 11 received")."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                "-m", "tformer_cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONFAULTHANDLER": "1"})
 
 
 def _torchrun_ok(processes: int, *args: str) -> subprocess.CompletedProcess:
