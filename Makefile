@@ -34,9 +34,8 @@ $(STAMP): pyproject.toml $(TORCH_STAMP)
 
 install: $(STAMP) ## Create .venv and install tformer with test tools (TORCH=..., TORCH_INDEX=... pick torch)
 
-# the suite's tests shared among one process per core (pytest-xdist); TEST_JOBS=0 runs them in one process
 TEST_JOBS ?= auto
-test: $(STAMP) ## Run the test suite (TEST_JOBS=N processes; default one per core)
+test: $(STAMP) ## Run the test suite in one process per core (pytest-xdist; TEST_JOBS=N processes, 0 for one)
 	$(BIN)/pytest -n $(TEST_JOBS) --dist worksteal
 
 test-slow: $(STAMP) ## Run the slow tests: several processes, kills (a few minutes)
