@@ -21,11 +21,13 @@ from tformer_cli.run_folder import step_checkpoints
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
 
 
-def _torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:
-    """tformer under torchrun; a process that crashes (SIGSEGV, SIGABRT) prints its Python stack, which
-    the failed assertion shows (torchrun alone says only "Signal 11 received")."""
+def _torchrun(processes: int, *args: str, monitor_interval: float = 0.1) -> subprocess.CompletedProcess:
+    """tformer under torchrun, which looks at its processes every ``monitor_interval`` seconds (its own
+    default: 0.1) and stops the others once one has failed; a process that crashes (SIGSEGV, SIGABRT)
+    prints its Python stack, which the failed assertion shows (torchrun alone says only "Signal 11
+    received")."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-               "-m", "tformer_cli", *args]
+               f"--monitor-interval={monitor_interval}", "-m", "tformer_cli", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONFAULTHANDLER": "1"})
 
@@ -345,7 +347,9 @@ def test_a_process_that_left_its_group_and_succeeded_skips_the_teardown(monkeypa
 
 def test_a_mistake_stops_every_process_with_one_line_each(tmp_path):
     config = write_config(tmp_path / "bad.yaml", data={"dataset": str(tmp_path / "missing")})
-    result = _torchrun(2, "train", str(config), "--output-dir", str(tmp_path / "run"), "--quiet")
+    # torchrun given 5 s before it stops the slower process: with other tests running beside this one
+    # (make test's workers), that one could start 0.1 s behind the first and be stopped before its line
+    result = _torchrun(2, "train", str(config), "--output-dir", str(tmp_path / "run"), "--quiet", monitor_interval=5)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode != 0 and errors == 2 * [  # each finds it before the processes meet
         f"error: data.dataset: no such folder '{tmp_path / 'missing'}'; check the path (relative paths start "
