@@ -41,9 +41,12 @@
 # COMPILE_CACHE_SAVE=$OUT, and after it the returned inductor.tgz.* replace .compile-cache's. Each
 # variant compiled cold costs ~100 s on an H200 (the fifth lease's one graph: 97.6 s), so a call holds
 # about four:
-#   1. base MFU 0.40 (~5 min: compiled from a cache, or ~7 cold; packed and packed with the bf16 stream cold):
+#   1. base MFU 0.40 (~5 min: compiled from a cache, or ~7 cold; packed and packed with the bf16 stream cold;
+#      then packed on the bf16 stream with Triton's products timed against cuBLAS's, last: its autotuning
+#      may take the call past 10 minutes, and a call cut off brings back what the variants before it
+#      printed, but not the compile cache):
 #      PROFILE_ARGS="--no-decode --baselines compiled,compiled-packed --experiments-compile packed
-#      --bf16-stream" gpu.sh profile
+#      --bf16-stream --inductor max_autotune_gemm=true" gpu.sh profile   (timeout_s 600)
 #   2. decoding (~3 min), then what time is left: SIZES=base gpu.sh paper-decode tests; then how decoding
 #      scales with its batch (tformer alone, whether tformer eval's default of 256 hypotheses a batch
 #      leaves the GPU idle): PAPER_DECODE_ARGS='--peers= --paper-decode-tokens 32768' gpu.sh paper-decode

@@ -18,7 +18,9 @@ Experiments, each an extra training variant: ``--attention efficient,cudnn,math`
 torch's attention held to each of those kernels (``torch.nn.attention.sdpa_kernel``), and
 ``--compile-attention math,explicit`` the compiled step so (math: torch's kernel, which computes bf16 in
 fp32; explicit: the model's explicit path, bf16 products and an fp32 softmax that inductor fuses), and
-``--inductor coordinate_descent_tuning=true`` compiles once more with those inductor settings, and
+``--inductor max_autotune_gemm=true`` compiles once more with those inductor settings (that one times
+Triton's matrix-product kernels against cuBLAS's, and a Triton product takes the elementwise work after it
+into its kernel; with ``--bf16-stream``, on the bf16 stream: what the two buy together), and
 ``--loss-chunks 2048,16384`` runs the eager step with the loss's logits formed that many tokens at a time,
 ``--bf16-stream`` trains eager and compiled with the residual stream in bf16 (each embedding's and layer
 norm's output cast to bf16, as Megatron keeps it; autocast leaves it in fp32), and compiled with both
@@ -305,7 +307,37 @@ def profile_decoding(args: argparse.Namespace, size: systems.Size, device: torch
             measure(f"{workload}, the model in bf16", decode, device, steps=2, warmup=1)
 
 
-def main() -> None:
+def training_variants(args: argparse.Namespace) -> list[Variant]:
+    """The training variants that ``args`` ask for, in the order they run: the baselines, then the eager
+    experiments, then the compiled ones (compiled as ``--experiments-compile`` says)."""
+    variants = [BASELINES[name] for name in args.baselines]
+    if args.no_compile:  # the eager baselines only
+        variants = [variant for variant in variants if variant.system in (systems.Tformer, systems.TformerPacked)]
+    variants += [Variant(f"train, eager, {attention_label(b)}", systems.Tformer, attention=b) for b in args.attention]
+    variants += [Variant(f"train, eager, the loss {n:,} tokens a chunk", systems.Tformer, loss_chunk=n)
+                 for n in args.loss_chunks]
+    if args.bf16_stream:
+        variants.append(Variant("train, eager, residual stream in bf16", systems.Tformer, bf16_stream=True))
+    if args.no_compile:
+        return variants
+    compiled, how = {"graph": (systems.TformerCompiled, "compiled"),
+                     "layers": (systems.TformerLayersCompiled, "compiled layer by layer"),
+                     "packed": (systems.TformerCompiledPacked, f"compiled, packed in rows of {systems.PACK_LENGTH}")
+                     }[args.experiments_compile]
+    variants += [Variant(f"train, {how}, {attention_label(b)}", compiled, attention=b) for b in args.compile_attention]
+    if args.bf16_stream:
+        variants.append(Variant(f"train, {how}, residual stream in bf16", compiled, bf16_stream=True))
+        variants += [Variant(f"train, {how}, {attention_label(b)}, residual stream in bf16", compiled,
+                             attention=b, bf16_stream=True) for b in args.compile_attention]  # both at once
+    if args.inductor:  # on the bf16 stream where that is asked for: what they buy together
+        settings = ", ".join(f"{key}={value}" for key, value in args.inductor.items())
+        stream = ", residual stream in bf16" if args.bf16_stream else ""
+        variants.append(Variant(f"train, {how} with {settings}{stream}", compiled, inductor=args.inductor,
+                                bf16_stream=args.bf16_stream))
+    return variants
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", default="base", choices=sorted(systems.SIZES))
@@ -326,7 +358,8 @@ def main() -> None:
     parser.add_argument("--compile-attention", type=attention_backends, default=[],
                         help="compiled variants with attention held to these kernels")
     parser.add_argument("--inductor", type=inductor_settings, default={},
-                        help="a compiled variant with these inductor settings, e.g. coordinate_descent_tuning=true")
+                        help="a compiled variant with these inductor settings, e.g. max_autotune_gemm=true "
+                             "(on the residual stream in bf16 with --bf16-stream)")
     parser.add_argument("--direct-capture", action="store_true",
                         help="decoding also with its CUDA graphs recorded without emptying the allocator's caches")
     parser.add_argument("--bf16-stream", action="store_true",
@@ -338,9 +371,14 @@ def main() -> None:
                         help="how the compiled experiments compile: one graph, as train.compile, or layer by layer "
                              "(minutes less on a GPU; compare them with the 'layers' baseline), or one graph over "
                              "batches packed into rows (compare them with 'compiled-packed')")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.bf16_stream and args.device != "cuda":
         parser.error("--bf16-stream: training runs under bf16 autocast on CUDA only")
+    return args
+
+
+def main() -> None:
+    args = parse_arguments()
     device = torch.device(args.device)
     size = systems.SIZES[args.size]
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else nullcontext
@@ -360,29 +398,7 @@ def main() -> None:
     def rate(seconds: float) -> str:
         return f"{target / seconds:,.0f} target tokens/s, MFU {flops / seconds / peak:.3f}"
 
-    variants = [BASELINES[name] for name in args.baselines]
-    if args.no_compile:  # the eager baselines only
-        variants = [variant for variant in variants if variant.system in (systems.Tformer, systems.TformerPacked)]
-    variants += [Variant(f"train, eager, {attention_label(b)}", systems.Tformer, attention=b) for b in args.attention]
-    variants += [Variant(f"train, eager, the loss {n:,} tokens a chunk", systems.Tformer, loss_chunk=n)
-                 for n in args.loss_chunks]
-    if args.bf16_stream:
-        variants.append(Variant("train, eager, residual stream in bf16", systems.Tformer, bf16_stream=True))
-    compiled, how = {"graph": (systems.TformerCompiled, "compiled"),
-                     "layers": (systems.TformerLayersCompiled, "compiled layer by layer"),
-                     "packed": (systems.TformerCompiledPacked, f"compiled, packed in rows of {systems.PACK_LENGTH}")
-                     }[args.experiments_compile]
-    if not args.no_compile:
-        variants += [Variant(f"train, {how}, {attention_label(b)}", compiled, attention=b)
-                     for b in args.compile_attention]
-        if args.bf16_stream:
-            variants.append(Variant(f"train, {how}, residual stream in bf16", compiled, bf16_stream=True))
-            variants += [Variant(f"train, {how}, {attention_label(b)}, residual stream in bf16", compiled,
-                                 attention=b, bf16_stream=True) for b in args.compile_attention]  # both at once
-        if args.inductor:
-            settings = ", ".join(f"{key}={value}" for key, value in args.inductor.items())
-            variants.append(Variant(f"train, {how} with {settings}", compiled, inductor=args.inductor))
-    for variant in variants:
+    for variant in training_variants(args):
         systems.ACCEL_SKIP = variant.skip
         system = variant.system(size, device)
         if variant.bf16_stream:

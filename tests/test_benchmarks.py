@@ -337,6 +337,26 @@ def test_the_explicit_attention_experiment_computes_the_models_attention(monkeyp
     torch.testing.assert_close(model(src, tgt), expected)
 
 
+def test_the_leases_profile_ends_with_every_lever_toward_mfu_040_at_once(monkeypatch):
+    """gpu.sh's first call (its header): the compiled baselines, the bf16 stream eager and on packed
+    rows, then the same with inductor's settings stacked on them, the variant that may run past the
+    call's limit."""
+    monkeypatch.syspath_prepend(str(RUN.parent))
+    import systems
+    from profile_step import parse_arguments, training_variants
+
+    header = (RUN.parent / "gpu.sh").read_text().split("set -euo pipefail")[0]
+    step = re.search(r'PROFILE_ARGS="([^"]+)" gpu.sh profile', header.replace("\n#     ", " "))
+    args = parse_arguments(["--device", "cuda", *step.group(1).split()])
+    variants = training_variants(args)
+    packed = systems.TformerCompiledPacked
+    assert [v.system for v in variants] == [systems.TformerCompiled, packed, systems.Tformer, packed, packed]
+    assert [(v.bf16_stream, v.inductor) for v in variants] == [
+        (False, None), (False, None), (True, None), (True, None), (True, {"max_autotune_gemm": True})]
+    assert variants[-1].label == ("train, compiled, packed in rows of 128 with max_autotune_gemm=True, "
+                                  "residual stream in bf16")
+
+
 def test_the_flash_setting_of_the_x_transformers_peer_computes_what_its_default_computes(monkeypatch):
     """``xtransformers-flash`` is the same model with a faster attention kernel: with the same weights,
     the default's logits over paper-like batches (padded sources, causal targets)."""
