@@ -588,6 +588,46 @@ def test_precision_auto_is_bf16_on_a_gpu_with_bf16_tensor_cores_and_fp32_elsewhe
     assert [data["precision"] for event, data in events if event == "start"] == ["fp32"]
 
 
+def test_auto_precision_on_a_gpu_with_fp16_tensor_cores_alone_says_fp16_would_be_faster(tmp_path, monkeypatch, capsys):
+    """A V100 or T4 (compute capability 7.x) has fp16 tensor cores but none for bf16, so auto stays in
+    fp32 there, as fairseq and the Hugging Face Trainer do without --fp16; training and decoding say
+    that fp16 would be faster, and what is asked for explicitly (fp32 included) is not second-guessed."""
+    import tformer_cli.train_plan as train_plan
+    from tformer_cli.cli_options import decoding_precision
+    from tformer_cli.devices import fp16_would_be_faster
+
+    capability = {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["of the GPU"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    cuda = torch.device("cuda")
+    for capability["of the GPU"], hinted in (((7, 0), True), ((7, 5), True), ((8, 0), False), ((9, 0), False),
+                                              ((6, 0), False)):  # V100, T4, A100, H100, P100 (no tensor cores)
+        assert (fp16_would_be_faster("auto", cuda) is not None) == hinted
+        assert [fp16_would_be_faster(setting, cuda) for setting in ("fp32", "bf16", "fp16")] == [None] * 3
+    capability["of the GPU"] = (7, 0)
+    assert fp16_would_be_faster("auto", cuda) == (
+        "auto is fp32 on Tesla V100-SXM2-16GB, which has fp16 tensor cores but none for bf16 (compute "
+        "capability 7.0); in fp16 its matrix products run about 8x faster")
+    assert fp16_would_be_faster("auto", torch.device("cpu")) is None
+
+    assert decoding_precision("auto", cuda) == "fp32"  # eval and generate: resolved as before, with the hint
+    assert capsys.readouterr().err.replace("\n", " ").startswith(
+        "warning: --precision auto is fp32 on Tesla V100-SXM2-16GB")
+    assert decoding_precision("fp32", cuda) == "fp32" and capsys.readouterr().err == ""
+
+    # training: the hint is a warning of the run's start (here on the CPU, standing in for the V100)
+    monkeypatch.setattr(train_plan, "fp16_would_be_faster",
+                        lambda setting, device: fp16_would_be_faster(setting, cuda))
+    for precision, warned in (("auto", True), ("fp32", False)):
+        events = []
+        path = write_config(tmp_path / f"{precision}.yaml", train={"max_steps": 1, "device": "cpu",
+                                                                   "precision": precision})
+        train(load_config(path), tmp_path / precision, callback=lambda event, data: events.append((event, data)))
+        warnings = [data["message"] for event, data in events if event == "warning"]
+        assert warnings == ([f"train.precision {fp16_would_be_faster('auto', cuda)}: set train.precision=fp16 (or "
+                             "fp32, which trains as now without this warning)"] if warned else [])
+
+
 def test_bpe_dropout_resegments_the_training_split_every_epoch(tmp_path, monkeypatch):
     import tformer_cli.segmentation as segmentation
 

@@ -11,7 +11,7 @@ import typer
 
 from tformer_cli.cli_options import (
     ADVANCED, AccelOpt, AlphaOpt, BatchOpt, BeamOpt, DecodeDeviceOpt, JsonOpt, MaxTokensOpt, PrecisionOpt,
-    RunArg, check_decoding_flags, check_engine, check_text, load_for_decoding)
+    RunArg, check_decoding_flags, check_engine, check_text, decoding_precision, load_for_decoding)
 from tformer_cli.errors import UsageError
 from tformer_cli.generate_input import check_prefix, input_batches
 
@@ -102,11 +102,11 @@ def eval_command(
     check_mbr(mbr, mbr_metric, mbr_candidates)
     data_files = _check_data_files(data_files)
     from tformer_cli.decoding import DecodeOptions  # torch loads here (seconds): after the checks that need none
-    from tformer_cli.devices import resolve_device, resolve_precision
+    from tformer_cli.devices import resolve_device
     from tformer_cli.evaluation import evaluate_run
 
     dev = resolve_device(device or "auto")
-    precision = resolve_precision(precision, dev)  # auto: bf16 on a recent GPU, as training
+    precision = decoding_precision(precision, dev)
     runs = ensemble_runs(run, ensemble)
     loaded, models, amp = load_for_decoding(runs, dev, accel, precision)
     config = loaded.config
@@ -233,12 +233,12 @@ def generate(
     check_engine(engine, ensemble=bool(ensemble), mbr=mbr, align=align, epsilon=epsilon)
     from tformer_cli.batching import sentences_per_batch  # torch loads here (seconds): after the checks that need none
     from tformer_cli.decoding import DecodeOptions
-    from tformer_cli.devices import resolve_device, resolve_precision
+    from tformer_cli.devices import resolve_device
     from tformer_cli.render import generation_lines
 
     dev = resolve_device(device or "auto")
     loaded, models, translate = _translator(engine, ensemble_runs(run, ensemble), dev, accel,
-                                            resolve_precision(precision, dev))
+                                            decoding_precision(precision, dev))
     check_prefix(loaded.vocab, "--prefix", prefix)
     layers = min(len(model.decoder.layers) for model in models.models)
     if align_layer is not None and align_layer > layers:

@@ -122,6 +122,18 @@ def check_engine(engine: str, *, ensemble: bool, mbr: int, align: bool, epsilon:
                              "with --engine tformer")
 
 
+def decoding_precision(setting: str, device) -> str:
+    """--precision ``setting`` resolved on ``device`` (auto: bf16 on a recent GPU, as training); warns
+    where auto decodes in fp32 on a GPU whose fp16 tensor cores would be faster."""
+    from tformer_cli.devices import fp16_would_be_faster, resolve_precision
+    from tformer_cli.render import warn
+
+    faster = fp16_would_be_faster(setting, device)
+    if faster:
+        warn(f"--precision {faster}: use --precision fp16 (or fp32, which decodes as now without this warning)")
+    return resolve_precision(setting, device)
+
+
 def decoding_autocast(device, precision: str):
     """The --precision autocast context; warns when it would be slower than fp32 here."""
     from tformer_cli.devices import autocast, slow_precision

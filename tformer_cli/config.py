@@ -101,7 +101,8 @@ class TrainConfig:
     seed: int = 0  # seeds initialisation, dropout and data order; in [0, 2^32)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when available
     # fp32, or bf16 / fp16 autocast (bf16 on CPUs with AVX-512 BF16 or AMX); auto: bf16 on a GPU with
-    # bf16 tensor cores (A100, H100 and later), fp32 elsewhere
+    # bf16 tensor cores (A100, H100 and later), fp32 elsewhere (a V100 or T4, with fp16 tensor cores alone,
+    # warns that fp16 would be faster)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # torch.compile the encoder and decoder; auto: on a GPU that Triton compiles for, compute capability 7.0
     # or later (H200, base: 1.22x the tokens/s after ~98 s of compiling), not on a CPU (slower there)

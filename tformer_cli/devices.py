@@ -59,6 +59,20 @@ def resolve_precision(setting: str, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0) else "fp32"
 
 
+def fp16_would_be_faster(setting: str, device: torch.device) -> str | None:
+    """Why fp16 would run faster than what ``auto`` resolved to on ``device``, or None: a GPU with fp16
+    tensor cores but none for bf16 (compute capability 7.x: V100, T4), where ``auto`` stays in fp32, as
+    fairseq and the Hugging Face Trainer do without ``--fp16``: fp16 narrows the range (its loss is scaled,
+    and activations past 65,504 overflow), so it is the user's choice, not a default."""
+    if setting != "auto" or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 7:
+        return None
+    return (f"auto is fp32 on {torch.cuda.get_device_name(device)}, which has fp16 tensor cores but none "
+            f"for bf16 (compute capability {major}.{minor}); in fp16 its matrix products run about 8x faster")
+
+
 def autocast(device: torch.device, precision: str):
     """Autocast for "bf16" / "fp16" (matrix products in that type, reductions in fp32); none for "fp32"."""
     if precision == "fp32":

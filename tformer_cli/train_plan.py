@@ -10,7 +10,7 @@ from typing import Any
 
 from tformer_cli.batching import batches_per_step, epoch_batches
 from tformer_cli.config import TrainConfig
-from tformer_cli.devices import autocast, matmul_peak, slow_precision
+from tformer_cli.devices import autocast, fp16_would_be_faster, matmul_peak, slow_precision
 from tformer_cli.encoding import EncodedSplit
 from tformer_cli.errors import UsageError
 from tformer_cli.optim import cosine_horizon, learning_rate
@@ -43,6 +43,9 @@ def plan_run(setup: Setup, notify: Callback) -> Plan:
     slow = slow_precision(device, setup.precision)
     if slow:
         notify("warning", {"message": f"train.precision {slow}; set train.precision=fp32"})
+    if faster := fp16_would_be_faster(cfg.precision, device):
+        notify("warning", {"message": f"train.precision {faster}: set train.precision=fp16 (or fp32, which "
+                                      "trains as now without this warning)"})
     # this epoch's batches (0.4 s on a WMT-sized corpus)
     batches = epoch_batches(data, cfg, state.epoch, workers.rank, workers.size)
     first_epoch = batches if state.epoch == 0 else epoch_batches(data, cfg, 0, workers.rank, workers.size)
